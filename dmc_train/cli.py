@@ -1,0 +1,53 @@
+"""Shared wiring for the Hydra entry points in ``launch/``: config pre-check and one-line errors.
+
+Hydra's own error report spans several lines and a hint about HYDRA_FULL_ERROR; users get one line
+naming the cause instead, and a non-zero exit. Nothing is written before the config is valid.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+EXIT_USER_ERROR = 2
+
+
+def one_line(exc: BaseException) -> str:
+    """Flatten an exception (and the OmegaConf/Hydra cause chain) into one line."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        if text and text not in parts:
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__
+    return "; ".join(parts) or "unknown error"
+
+
+def precheck(argv: list[str], config_name: str = "config") -> None:
+    """Compose the config from the command line's overrides; exit with one line if it is invalid."""
+    from dmc_train.config import load_config
+
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    try:
+        load_config(overrides, config_name)
+    except Exception as e:  # hydra/omegaconf raise a family of types; all are user config errors here
+        fail(f"config error: {one_line(e)}")
+
+
+def fail(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def run_reporting_errors(fn: Callable[[], None]) -> None:
+    """Run ``fn``; user-facing errors (bad config, bad checkpoint) end in one line and exit code 2."""
+    from dmc_train.distributed import ConfigError
+    from dmc_train.training.checkpointing import CheckpointError
+
+    try:
+        fn()
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        fail(str(e))

@@ -1,0 +1,252 @@
+"""Process group and megatron ``parallel_state`` set-up, plus the CPU compatibility layer.
+
+This is the only module that reads launcher environment variables (torchrun's
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` and SLURM's
+``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_JOB_NODELIST``).
+
+Backend: NCCL when CUDA is available, gloo otherwise. On CPU the compatibility
+layer (``install_cpu_compat``) must be active before megatron builds any module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message is one line naming the cause and fix."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def read_launch_env() -> LaunchEnv:
+    """Rank/world from torchrun variables, else from SLURM (srun without torchrun), else a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "")),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="slurm",
+        )
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), "single")
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return nodelist.split(",")[0].split("[")[0]
+
+
+# --------------------------------------------------------------------------------------
+# CPU compatibility layer for megatron-core 0.16.1
+# --------------------------------------------------------------------------------------
+_CPU_COMPAT_INSTALLED = False
+
+
+class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
+    """(F) Rewrites ``device="cuda..."`` keyword arguments to cpu; (G) ``Tensor.cuda()`` returns self;
+    (H) a bare ``Tensor.type()`` reports ``torch.cuda.*Tensor``.
+
+    megatron allocates buffers with ``device=torch.cuda.current_device()`` or ``"cuda"``, moves
+    tensors with ``.cuda()``, and its optimizer / grad clipping assert ``param.type() ==
+    'torch.cuda.FloatTensor'``. A TorchFunctionMode intercepts all three without touching megatron code.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda_device(dev):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+def install_cpu_compat() -> bool:
+    """Make megatron-core 0.16.1 run on CPU. No-op (returns False) when CUDA is available.
+
+    Each patch was shown necessary by removing it (see DESIGN.md):
+    (A) ``torch.cuda.current_device`` -> cpu device: megatron allocates grad buffers and optimizer
+        tensors on ``torch.cuda.current_device()``.
+    (B) ``torch.cuda.synchronize`` -> no-op: dist_checkpointing's save synchronises the device.
+    (C, D) ``torch.cuda.get_rng_state`` / ``torch.cuda.manual_seed`` act on the CPU generator:
+        megatron's tensor-parallel RNG tracker forks the "cuda" generator around weight init and
+        dropout; without D initial weights are not reproducible.
+    (E) megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU generator state
+        (they call into ``torch.cuda.default_generators`` directly).
+    (F, G, H) a thread-local ``TorchFunctionMode`` (``_CudaToCpuMode``), entered for the process.
+    """
+    global _CPU_COMPAT_INSTALLED
+    if torch.cuda.is_available():
+        return False
+    if _CPU_COMPAT_INSTALLED:
+        return True
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: torch.device("cpu")  # (A)
+    torch.cuda.synchronize = lambda *a, **k: None  # (B)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # (C)
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)  # (D)
+    torch.cuda.random.manual_seed = torch.cuda.manual_seed
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # (E)
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _CudaToCpuMode().__enter__()  # (F, G, H): stays active for the process (main thread)
+    _CPU_COMPAT_INSTALLED = True
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int | None = None
+    data: int = 1
+
+
+def check_layout(world_size: int, tp: int, pp: int, vpp: int | None, num_layers: int,
+                 num_heads: int, num_query_groups: int) -> ParallelLayout:
+    """Validate a parallel layout against the world size and the model; raise ConfigError in one line."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tensor={tp} and parallel.pipeline={pp} must be >= 1")
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
+            f"launch a multiple of {tp * pp} processes or change the layout")
+    if num_heads % tp:
+        raise ConfigError(f"parallel.tensor={tp} does not divide model.num_attention_heads={num_heads}; "
+                          f"choose a tensor size that divides it")
+    if num_query_groups % tp:
+        raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={num_query_groups}; "
+                          f"choose a tensor size that divides it")
+    stages = pp * (vpp or 1)
+    if num_layers % stages:
+        raise ConfigError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual stages = {stages}")
+    if vpp is not None and pp < 2:
+        raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline >= 2")
+    return ParallelLayout(tp, pp, vpp, world_size // (tp * pp))
+
+
+def initialize(layout_tp: int, layout_pp: int, layout_vpp: int | None, seed: int,
+               timeout_minutes: int = 30) -> LaunchEnv:
+    """Create the default process group and megatron's parallel groups; seed all RNGs.
+
+    Idempotent: a second call with the same layout is a no-op (tests build several models).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    env = read_launch_env()
+    if not torch.cuda.is_available():
+        install_cpu_compat()
+    else:
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout_tp,
+        pipeline_model_parallel_size=layout_pp,
+        virtual_pipeline_model_parallel_size=layout_vpp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    seed_everything(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return env
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Broadcast a picklable object from ``src`` to every rank (identity without a process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@functools.cache
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,283 @@
+"""Atomic, reshardable checkpoints with megatron ``dist_checkpointing``.
+
+Layout of ``<run_dir>/checkpoints/``::
+
+    iter_0000100/          a complete checkpoint: dist_checkpointing files + meta.json + config.yaml
+    iter_0000200.tmp/      a write in progress (or one that crashed): never read
+    latest                 the name of the newest complete checkpoint (replaced atomically)
+
+A save writes into ``iter_N.tmp``, then rank 0 writes ``meta.json``, renames the directory to
+``iter_N`` and only then replaces ``latest``; a crash at any point leaves the previous ``latest``
+complete and loadable. ``meta.json`` is the completeness marker.
+
+What is stored: model weights (reshardable to any TP/PP layout), optimizer state, LR scheduler,
+step, consumed samples, RNG states (restored only for the same layout), method state, the
+resolved config. Optimizer state reshards with the standard (non-distributed) optimizer; the
+distributed optimizer's ``dp_reshardable`` format only changes DP size, so a TP/PP change with it
+is refused with a message offering ``checkpoint.load_optimizer=false`` (weights only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from omegaconf import OmegaConf
+
+from dmc_train.distributed import ConfigError, barrier, broadcast_object, is_rank0, world_size
+
+LATEST = "latest"
+META = "meta.json"
+MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                      "num_query_groups", "vocab_size")
+DISTOPT_FORMAT = "dp_reshardable"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the checkpoint, the cause and the fix."""
+
+
+def checkpoint_root(cfg: Any) -> str:
+    return os.path.join(cfg.run_dir, "checkpoints")
+
+
+def iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def read_latest(root: str) -> Optional[str]:
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return os.path.join(root, f.read().strip())
+
+
+def read_meta(ckpt: str) -> dict:
+    meta_path = os.path.join(ckpt, META)
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"checkpoint {ckpt} does not exist; check checkpoint.resume or use resume=none")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete (no {META}): the write was interrupted; "
+                              f"resume from an older checkpoint or use checkpoint.resume=none")
+    try:
+        with open(meta_path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {META} ({e}); resume from an older checkpoint")
+
+
+def resolve_resume(cfg: Any) -> Optional[tuple[str, dict]]:
+    """The checkpoint to start from, with its metadata checked against the config, or None.
+
+    Runs before any model is built so a mismatch fails fast.
+    """
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        ckpt = read_latest(checkpoint_root(cfg))
+        if ckpt is None:
+            return None
+    else:
+        ckpt = resume
+    meta = read_meta(ckpt)
+    check_model_shape(ckpt, meta, cfg)
+    saved = meta["layout"]
+    changed = (saved["tensor"], saved["pipeline"]) != (cfg.parallel.tensor, cfg.parallel.pipeline)
+    if changed and saved["distributed_optimizer"] and cfg.checkpoint.load_optimizer:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved at TP={saved['tensor']} PP={saved['pipeline']} with the distributed "
+            f"optimizer, whose state cannot be resharded to TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline}; "
+            f"set checkpoint.load_optimizer=false to load the weights only")
+    return ckpt, meta
+
+
+def check_model_shape(ckpt: str, meta: dict, cfg: Any) -> None:
+    saved = meta["config"]["model"]
+    diffs = [f"{k}: checkpoint {saved.get(k)} vs config {cfg.model[k]}"
+             for k in MODEL_SHAPE_FIELDS if saved.get(k) != cfg.model[k]]
+    if diffs:
+        raise CheckpointError(f"checkpoint {ckpt} has a different model shape ({'; '.join(diffs)}); "
+                              f"use the matching model config or another checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------
+# State dicts
+# ----------------------------------------------------------------------------------------------
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def _rng_state() -> ShardedObject:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    ps = parallel_state
+    return ShardedObject(
+        "rng_state", state,
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+         ps.get_data_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+         ps.get_data_parallel_rank()),
+        replica_id=0)
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(model, optimizer, scheduler, method, step, consumed, is_loading,
+                   with_optimizer=True, with_rng=True) -> dict:
+    sd: dict = {}
+    for i, chunk in enumerate(model):
+        sd[_model_key(i, len(model))] = chunk.module.sharded_state_dict()
+    if with_optimizer:
+        model_sd = {k: v for k, v in sd.items()}
+        kwargs = {"metadata": {"distrib_optim_sharding_type": DISTOPT_FORMAT}} if _uses_distopt(model) else {}
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, **kwargs)
+        sd["scheduler"] = scheduler.state_dict()
+        sd["method"] = method.state_dict()
+    if with_rng:
+        sd["rng_state"] = _rng_state()
+    sd["step"] = step
+    sd["consumed_samples"] = consumed
+    return sd
+
+
+def _uses_distopt(model) -> bool:
+    return model[0].ddp_config.use_distributed_optimizer
+
+
+# ----------------------------------------------------------------------------------------------
+# Save
+# ----------------------------------------------------------------------------------------------
+def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, consumed: int,
+                    extra_meta: Optional[dict] = None) -> str:
+    """Write ``iter_<step>`` atomically and point ``latest`` at it; keep the newest ``keep_last``."""
+    root = checkpoint_root(cfg)
+    final = os.path.join(root, iter_name(step))
+    tmp = final + ".tmp"
+    if is_rank0():
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed write
+        os.makedirs(tmp)
+    barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, method, step, consumed, False), tmp)
+    barrier()
+    if is_rank0():
+        meta = {
+            "step": step,
+            "consumed_samples": consumed,
+            "layout": {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
+                       "virtual_pipeline": cfg.parallel.virtual_pipeline,
+                       "distributed_optimizer": cfg.parallel.distributed_optimizer,
+                       "world_size": world_size()},
+            "method": cfg.method.name,
+            **(extra_meta or {}),
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        }
+        OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
+        _finalize(root, tmp, final, meta)
+        _prune(root, cfg.checkpoint.keep_last)
+    barrier()
+    return final
+
+
+def _finalize(root: str, tmp: str, final: str, meta: dict) -> None:
+    with open(os.path.join(tmp, META), "w") as f:
+        json.dump(meta, f, indent=1)
+    if os.path.exists(final):  # re-saving the same step: move the old one out of the way first
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        os.rename(final, final + ".old")
+    os.rename(tmp, final)
+    pointer = os.path.join(root, LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(os.path.basename(final))
+    os.replace(pointer, os.path.join(root, LATEST))
+    shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def _prune(root: str, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    complete = sorted(d for d in os.listdir(root)
+                      if d.startswith("iter_") and "." not in d and os.path.exists(os.path.join(root, d, META)))
+    for name in complete[:-keep_last]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------------
+def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler, method) -> tuple[int, int]:
+    """Load into already built model/optimizer; returns ``(step, consumed_samples)``.
+
+    With ``checkpoint.load_optimizer=false`` only the weights are loaded and training restarts at step 0.
+    """
+    saved = meta["layout"]
+    same_layout = (saved["tensor"], saved["pipeline"], saved["distributed_optimizer"]) == (
+        cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.distributed_optimizer)
+    same_world = same_layout and saved.get("world_size") == world_size()
+    full = cfg.checkpoint.load_optimizer
+    if full and saved["distributed_optimizer"] != cfg.parallel.distributed_optimizer:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved with parallel.distributed_optimizer={saved['distributed_optimizer']}; "
+            f"use the same setting or checkpoint.load_optimizer=false to load the weights only")
+    request = _sharded_state(model, optimizer, scheduler, method, 0, 0, True,
+                             with_optimizer=full, with_rng=full and same_world)
+    try:
+        state = dist_checkpointing.load(request, ckpt)
+    except Exception as e:  # megatron raises many types for truncated/corrupt files
+        raise CheckpointError(f"checkpoint {ckpt} could not be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]}); it is truncated or corrupt - "
+                              f"resume from an older checkpoint or use checkpoint.resume=none") from None
+    for i, chunk in enumerate(model):
+        chunk.module.load_state_dict(state[_model_key(i, len(model))], strict=True)
+    if not full:
+        return 0, 0
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    method.load_state_dict(state.get("method", {}))
+    if "rng_state" in state:
+        _set_rng_state(state["rng_state"])
+    return int(state["step"]), int(state["consumed_samples"])
+
+
+def load_weights(ckpt: str, model_chunks: list) -> dict:
+    """Load only the model weights of ``ckpt`` into unwrapped chunks (any TP/PP layout); returns meta."""
+    meta = read_meta(ckpt)
+    request = {_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
+    try:
+        state = dist_checkpointing.load(request, ckpt)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {ckpt} could not be read ({type(e).__name__}); it is truncated or "
+                              f"corrupt") from None
+    for i, chunk in enumerate(model_chunks):
+        chunk.load_state_dict(state[_model_key(i, len(model_chunks))], strict=True)
+    return meta
+
+
+def agree_on(value):
+    """Rank 0's value on every rank (e.g. the resume decision)."""
+    return broadcast_object(value)
+
+
+__all__ = ["CheckpointError", "ConfigError", "resolve_resume", "save_checkpoint", "load_checkpoint",
+           "load_weights", "read_latest", "read_meta", "checkpoint_root"]

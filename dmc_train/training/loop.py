@@ -1,0 +1,201 @@
+"""The training loop: megatron schedules (no PP / 1F1B / interleaved), DDP, optimizer, checkpoints.
+
+One step = one optimizer update over ``train.global_batch_size`` samples, split into micro-batches
+per data-parallel rank. The LM loss is a per-token mean over the whole global batch (megatron's
+``calculate_per_token_loss``); a method's extra loss terms are added per token.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from omegaconf import OmegaConf
+
+from dmc_train import config as config_mod
+from dmc_train import distributed
+from dmc_train.methods.base import Method, build_method
+from dmc_train.models.llama import build_model, count_parameters
+from dmc_train.training import checkpointing as ckpt_mod
+from dmc_train.training.batches import chunk_iterators, step_microbatches
+from dmc_train.training.logging import RunLogger
+from dmc_train.training.setup import build_optimizer, build_scheduler, wrap_ddp
+
+
+def total_steps(cfg: Any) -> int:
+    steps = cfg.train.max_steps
+    if cfg.train.max_tokens:
+        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
+        steps = min(steps, math.ceil(cfg.train.max_tokens / tokens_per_step))
+    return steps
+
+
+def build_datasets(cfg: Any):
+    """(train, valid) map-style datasets of dict samples; see dmc_train.data."""
+    if cfg.data.kind == "synthetic":
+        from dmc_train.data.synthetic import SyntheticDataset
+
+        n = 1 << 40
+        return (SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed),
+                SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed + 1))
+    raise config_mod.ConfigError(f"data.kind={cfg.data.kind!r} is not supported yet")
+
+
+class Trainer:
+    """Holds the model chunks, optimizer, scheduler and data position of one run."""
+
+    def __init__(self, cfg: Any, method: Optional[Method] = None):
+        self.env = distributed.initialize(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline,
+                                          cfg.train.seed, cfg.parallel.timeout_minutes)
+        config_mod.validate(cfg, self.env.world_size)
+        self.cfg = cfg
+        self.method = method or build_method(cfg)
+        self.resume = ckpt_mod.resolve_resume(cfg)  # before building: mismatches fail fast
+        self.total_steps = total_steps(cfg)
+        chunks = build_model(cfg, spec_hook=self.method.layer_spec)
+        self.model = wrap_ddp(cfg, chunks)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        self.train_data, self.valid_data = build_datasets(cfg)
+        self.step, self.consumed = 0, 0
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.num_micro = config_mod.num_microbatches(cfg, self.dp_size)
+        if self.resume is not None:
+            self.step, self.consumed = ckpt_mod.load_checkpoint(cfg, *self.resume, self.model, self.optimizer,
+                                                                self.scheduler, self.method)
+
+    # -- one micro-batch --------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(self._loss, batch["loss_mask"], model)
+
+    def _loss(self, loss_mask: torch.Tensor, model, per_token_loss: torch.Tensor):
+        """``per_token_loss [b, s]`` -> (loss sum, token count, metrics) - megatron's per-token convention."""
+        mask = loss_mask.float()
+        lm_sum = (per_token_loss.float() * mask).sum()
+        num_tokens = mask.sum()
+        total = lm_sum
+        metrics = {"lm_loss": torch.stack([lm_sum.detach(), num_tokens])}
+        for name, term in self.method.loss_terms(model).items():
+            total = total + term * num_tokens
+            metrics[name] = torch.stack([term.detach() * num_tokens, num_tokens])
+        return total, num_tokens.int(), metrics
+
+    # -- steps ------------------------------------------------------------------------------
+    def _run_schedule(self, dataset, consumed: int, forward_only: bool) -> list[dict]:
+        micro = step_microbatches(dataset, consumed, self.cfg.train.global_batch_size,
+                                  self.cfg.train.micro_batch_size, self.dp_rank, self.dp_size)
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=chunk_iterators(micro, len(self.model)),
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.num_micro,
+            seq_length=self.cfg.train.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns metrics (identical on every rank)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.method.before_step(self.step, self.model)
+        losses = self._run_schedule(self.train_data, self.consumed, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step += 1
+        self.consumed += self.cfg.train.global_batch_size
+        metrics = reduce_losses(losses)
+        metrics.update(self.method.after_step(self.step, self.model))
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        if not ok:
+            metrics["skipped"] = 1
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, iters: Optional[int] = None) -> float:
+        """Mean LM loss over ``iters`` global batches of the validation data (fixed samples)."""
+        for chunk in self.model:
+            chunk.eval()
+        totals = []
+        for i in range(iters or self.cfg.train.eval_iters):
+            totals.append(self._run_schedule(self.valid_data, i * self.cfg.train.global_batch_size, True))
+        for chunk in self.model:
+            chunk.train()
+        return reduce_losses([x for t in totals for x in t])["lm_loss"]
+
+    def save(self) -> str:
+        extra = {"method_metadata": self.method.checkpoint_metadata(self.model)}
+        return ckpt_mod.save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.method,
+                                        self.step, self.consumed, extra)
+
+
+def reduce_losses(per_micro: list[dict]) -> dict[str, float]:
+    """Sum (value_sum, tokens) over micro-batches and DP ranks on the last stage; share with all ranks."""
+    names = sorted(per_micro[0]) if per_micro else []
+    if dist.is_initialized():
+        names = _names_from_last_stage(names)
+    sums = torch.zeros(2 * len(names), dtype=torch.float64)
+    for m in per_micro:
+        for i, n in enumerate(names):
+            sums[2 * i: 2 * i + 2] += m[n].double()
+    if dist.is_initialized():
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    return {n: (sums[2 * i] / sums[2 * i + 1]).item() for i, n in enumerate(names)}
+
+
+def _names_from_last_stage(names: list[str]) -> list[str]:
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return names
+    box = [names]
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+def run_dir_for(cfg: Any) -> str:
+    """All ranks use rank 0's run directory (it may contain a timestamp)."""
+    return distributed.broadcast_object(cfg.run_dir)
+
+
+def train(cfg: Any, method: Optional[Method] = None) -> dict:
+    """Train until the step/token budget; returns a summary (final losses, steps, checkpoint)."""
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, method)
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
+    log = RunLogger(cfg.run_dir, trainer.total_steps, tokens_per_step, cfg, cfg.logging.progress)
+    if distributed.is_rank0():
+        OmegaConf.save(cfg, os.path.join(cfg.run_dir, "config.yaml"), resolve=True)
+    log.info(f"model {cfg.model.name}: {count_parameters(cfg.model) / 1e6:.2f}M parameters; layout "
+             f"TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} DP={trainer.dp_size}"
+             f"{' VPP=' + str(cfg.parallel.virtual_pipeline) if cfg.parallel.virtual_pipeline else ''}; "
+             f"{trainer.num_micro} micro-batches/step; start-up {time.perf_counter() - t0:.1f}s"
+             + (f"; resumed from {trainer.resume[0]} at step {trainer.step}" if trainer.resume else ""))
+    history, last_ckpt = [], None
+    save_every = cfg.checkpoint.save_interval
+    while trainer.step < trainer.total_steps:
+        metrics = trainer.train_step()
+        if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
+            metrics["val_loss"] = trainer.evaluate()
+        history.append(metrics)
+        if trainer.step % cfg.train.log_interval == 0 or trainer.step == trainer.total_steps:
+            log.log(trainer.step, metrics)
+        if save_every and trainer.step % save_every == 0:
+            last_ckpt = trainer.save()
+    if cfg.checkpoint.save_at_end and trainer.step > 0 and (not save_every or trainer.step % save_every):
+        last_ckpt = trainer.save()
+    log.close()
+    return {"steps": trainer.step, "history": history, "checkpoint": last_ckpt, "trainer": trainer}
