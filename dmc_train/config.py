@@ -67,6 +67,7 @@ class TrainConfig:
     global_batch_size: int = 8
     max_steps: int = 100
     max_tokens: Optional[int] = None  # stop after this many tokens (whichever budget ends first)
+    max_steps_per_job: Optional[int] = None  # stop (and checkpoint) after this many steps in one job
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16
     recompute: str = "none"  # none | selective | full
@@ -92,6 +93,7 @@ class CheckpointConfig:
     save_interval: int = 0  # steps between saves; 0 = only at the end
     keep_last: int = 3
     resume: str = "auto"  # auto | none | <path to a checkpoint dir>
+    init_from: Optional[str] = None  # weights to start from when not resuming (e.g. the base model)
     load_optimizer: bool = True  # false = load weights only (new optimizer, step 0)
     save_at_end: bool = True
 

@@ -156,16 +156,16 @@ def check_layout(world_size: int, tp: int, pp: int, vpp: int | None, num_layers:
     """Validate a parallel layout against the world size and the model; raise ConfigError in one line."""
     if tp < 1 or pp < 1:
         raise ConfigError(f"parallel.tensor={tp} and parallel.pipeline={pp} must be >= 1")
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
-            f"launch a multiple of {tp * pp} processes or change the layout")
     if num_heads % tp:
         raise ConfigError(f"parallel.tensor={tp} does not divide model.num_attention_heads={num_heads}; "
                           f"choose a tensor size that divides it")
     if num_query_groups % tp:
         raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={num_query_groups}; "
                           f"choose a tensor size that divides it")
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
+            f"launch a multiple of {tp * pp} processes or change the layout")
     stages = pp * (vpp or 1)
     if num_layers % stages:
         raise ConfigError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual stages = {stages}")

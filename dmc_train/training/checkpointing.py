@@ -158,7 +158,29 @@ def _sharded_state(model, optimizer, scheduler, method, step, consumed, is_loadi
         sd["rng_state"] = _rng_state()
     sd["step"] = step
     sd["consumed_samples"] = consumed
+    sd["adam_step"] = _adam_step(optimizer) if with_optimizer else None
     return sd
+
+
+def _inner_optimizers(optimizer) -> list:
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _adam_step(optimizer) -> int:
+    """Adam's update count (bias correction); it differs from the train step after skipped updates."""
+    for opt in _inner_optimizers(optimizer):
+        for state in opt.state.values():
+            if "step" in state:
+                return int(state["step"])
+    return 0
+
+
+def _set_adam_step(optimizer, step: int) -> None:
+    """megatron's distributed optimizer (dp_reshardable) does not restore Adam's step counter."""
+    for opt in _inner_optimizers(optimizer):
+        for state in opt.state.values():
+            if "step" in state:
+                state["step"] = torch.full_like(torch.as_tensor(state["step"]), step)
 
 
 def _uses_distopt(model) -> bool:
@@ -240,6 +262,8 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
         raise CheckpointError(
             f"checkpoint {ckpt} was saved with parallel.distributed_optimizer={saved['distributed_optimizer']}; "
             f"use the same setting or checkpoint.load_optimizer=false to load the weights only")
+    if full and _uses_distopt(model):
+        _materialise_distopt_state(optimizer)
     request = _sharded_state(model, optimizer, scheduler, method, 0, 0, True,
                              with_optimizer=full, with_rng=full and same_world)
     try:
@@ -252,7 +276,10 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
         chunk.module.load_state_dict(state[_model_key(i, len(model))], strict=True)
     if not full:
         return 0, 0
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
+        optimizer.load_state_dict(state["optimizer"])
+    if state.get("adam_step") is not None:
+        _set_adam_step(optimizer, state["adam_step"])
     scheduler.load_state_dict(state["scheduler"])
     method.load_state_dict(state.get("method", {}))
     if "rng_state" in state:
@@ -260,9 +287,32 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
     return int(state["step"]), int(state["consumed_samples"])
 
 
-def load_weights(ckpt: str, model_chunks: list) -> dict:
-    """Load only the model weights of ``ckpt`` into unwrapped chunks (any TP/PP layout); returns meta."""
+def _materialise_distopt_state(optimizer) -> None:
+    """The distributed optimizer can only describe its state for loading once Adam's state exists
+    (megatron asserts on the shared step counter). Take one step with zero gradients at lr 0 so the
+    parameters stay unchanged; the loaded state replaces the dummy one."""
+    for opt in _inner_optimizers(optimizer):
+        if opt.state:
+            continue
+        saved_lr = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        for g, lr in zip(opt.param_groups, saved_lr):
+            g["lr"] = lr
+
+
+def load_weights(ckpt: str, model_chunks: list, cfg: Any = None) -> dict:
+    """Load only the model weights of ``ckpt`` into unwrapped chunks (any TP/PP layout); returns meta.
+
+    With ``cfg`` the checkpoint's model shape is checked against ``cfg.model`` first.
+    """
     meta = read_meta(ckpt)
+    if cfg is not None:
+        check_model_shape(ckpt, meta, cfg)
     request = {_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
     try:
         state = dist_checkpointing.load(request, ckpt)

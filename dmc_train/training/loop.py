@@ -52,9 +52,10 @@ class Trainer:
     """Holds the model chunks, optimizer, scheduler and data position of one run."""
 
     def __init__(self, cfg: Any, method: Optional[Method] = None):
+        config_mod.validate(cfg, distributed.read_launch_env().world_size)
         self.env = distributed.initialize(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline,
                                           cfg.train.seed, cfg.parallel.timeout_minutes)
-        config_mod.validate(cfg, self.env.world_size)
+        cfg.run_dir = distributed.broadcast_object(cfg.run_dir)  # e.g. a ${now:...} run dir: rank 0's wins
         self.cfg = cfg
         self.method = method or build_method(cfg)
         self.resume = ckpt_mod.resolve_resume(cfg)  # before building: mismatches fail fast
@@ -70,6 +71,8 @@ class Trainer:
         if self.resume is not None:
             self.step, self.consumed = ckpt_mod.load_checkpoint(cfg, *self.resume, self.model, self.optimizer,
                                                                 self.scheduler, self.method)
+        elif cfg.checkpoint.init_from:
+            ckpt_mod.load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg)
 
     # -- one micro-batch --------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
@@ -134,6 +137,32 @@ class Trainer:
             chunk.train()
         return reduce_losses([x for t in totals for x in t])["lm_loss"]
 
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """Full-vocabulary logits ``[b, s, vocab]`` for ``tokens [b, s]`` (eval mode, any layout).
+
+        Returned on the last pipeline stage (None elsewhere), gathered across tensor-parallel ranks.
+        """
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        for chunk in self.model:
+            chunk.eval()
+        batch = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1]).expand_as(tokens)}
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            out = model(b["tokens"], b["position_ids"], None)
+            return out, lambda o, non_loss_data=True: gather_from_tensor_model_parallel_region(o)
+
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=chunk_iterators([batch], len(self.model)),
+            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
+            collect_non_loss_data=True)
+        for chunk in self.model:
+            chunk.train()
+        return out[0] if out else None
+
     def save(self) -> str:
         extra = {"method_metadata": self.method.checkpoint_metadata(self.model)}
         return ckpt_mod.save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.method,
@@ -166,14 +195,15 @@ def _names_from_last_stage(names: list[str]) -> list[str]:
     return box[0]
 
 
-def run_dir_for(cfg: Any) -> str:
-    """All ranks use rank 0's run directory (it may contain a timestamp)."""
-    return distributed.broadcast_object(cfg.run_dir)
+def startup_seconds() -> float:
+    """Seconds since this process started (imports, process group, model, optimizer, checkpoint load)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 def train(cfg: Any, method: Optional[Method] = None) -> dict:
     """Train until the step/token budget; returns a summary (final losses, steps, checkpoint)."""
-    t0 = time.perf_counter()
     trainer = Trainer(cfg, method)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
     log = RunLogger(cfg.run_dir, trainer.total_steps, tokens_per_step, cfg, cfg.logging.progress)
@@ -182,11 +212,14 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
     log.info(f"model {cfg.model.name}: {count_parameters(cfg.model) / 1e6:.2f}M parameters; layout "
              f"TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} DP={trainer.dp_size}"
              f"{' VPP=' + str(cfg.parallel.virtual_pipeline) if cfg.parallel.virtual_pipeline else ''}; "
-             f"{trainer.num_micro} micro-batches/step; start-up {time.perf_counter() - t0:.1f}s"
+             f"{trainer.num_micro} micro-batches/step; start-up {startup_seconds():.1f}s"
              + (f"; resumed from {trainer.resume[0]} at step {trainer.step}" if trainer.resume else ""))
     history, last_ckpt = [], None
     save_every = cfg.checkpoint.save_interval
-    while trainer.step < trainer.total_steps:
+    stop_at = trainer.total_steps
+    if cfg.train.max_steps_per_job is not None:
+        stop_at = min(stop_at, trainer.step + cfg.train.max_steps_per_job)
+    while trainer.step < stop_at:
         metrics = trainer.train_step()
         if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
             metrics["val_loss"] = trainer.evaluate()
@@ -195,7 +228,7 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
             log.log(trainer.step, metrics)
         if save_every and trainer.step % save_every == 0:
             last_ckpt = trainer.save()
-    if cfg.checkpoint.save_at_end and trainer.step > 0 and (not save_every or trainer.step % save_every):
+    if cfg.checkpoint.save_at_end and history and (not save_every or trainer.step % save_every):
         last_ckpt = trainer.save()
     log.close()
     return {"steps": trainer.step, "history": history, "checkpoint": last_ckpt, "trainer": trainer}

@@ -1,0 +1,147 @@
+"""Stop training cleanly when SLURM warns of the time limit or preempts, then requeue the job.
+
+    handler = PreemptionHandler().install()        # main thread, before the loop
+    while step < stop_at:
+        train_step()
+        if handler.should_stop():                  # collective: every rank, same place, every step
+            save_checkpoint()                      # finish step -> checkpoint ->
+            handler.requeue()                      # -> `scontrol requeue $SLURM_JOB_ID` (rank 0) -> exit
+            break
+    handler.uninstall()
+
+Signals (defaults): SIGUSR1 is the early warning of launch/submit.py's jobs (``#SBATCH
+--signal=USR1@300``) and SIGUSR2 that of the Hydra submitit launcher (whose own USR2 handler, which
+requeues without a checkpoint, this one replaces): the job should continue later, so they ask for a
+requeue. SIGTERM comes from ``scancel``, the time limit or preemption: stop and checkpoint (best
+effort: SLURM's KillWait, ~30 s, and torchrun's 30 s shutdown limit apply), but do not requeue (a
+user's ``scancel`` must end the job; SLURM requeues preempted jobs itself when configured to).
+
+The handler only records the signal; all work (the collective, the checkpoint, the requeue) happens
+in the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+SignalLike = Union[int, str, signal.Signals]
+
+
+def _as_signal(sig: SignalLike) -> signal.Signals:
+    if isinstance(sig, str):
+        name = sig.upper() if sig.upper().startswith("SIG") else "SIG" + sig.upper()
+        return signal.Signals[name]
+    return signal.Signals(sig)
+
+
+class PreemptionHandler:
+    """Records SIGUSR1/SIGUSR2/SIGTERM (configurable) and turns them into an agreed stop and a requeue.
+
+    Args:
+        signals: the signals that request a stop.
+        requeue_signals: the subset after which ``requeue()`` resubmits the job.
+        scontrol: the ``scontrol`` executable, looked up on PATH when ``requeue()`` runs.
+        group: the process group ``should_stop()`` reduces over (default: the default group).
+    """
+
+    def __init__(self, signals: Iterable[SignalLike] = ("SIGUSR1", "SIGUSR2", "SIGTERM"),
+                 requeue_signals: Iterable[SignalLike] = ("SIGUSR1", "SIGUSR2"), scontrol: str = "scontrol",
+                 group: Optional[dist.ProcessGroup] = None):
+        self.signals = tuple(_as_signal(s) for s in signals)
+        self.requeue_signals = frozenset(_as_signal(s) for s in requeue_signals)
+        self.scontrol = scontrol
+        self.group = group
+        self.received: Optional[signal.Signals] = None  # the first signal this rank got
+        self._requeue_wanted = False  # a requeue signal arrived on this rank
+        self._stop = False  # agreed by should_stop(): sticky
+        self._requeue = False  # agreed by should_stop(): sticky
+        self._previous: dict[signal.Signals, object] = {}
+        self.requeue_error: Optional[str] = None  # why the last requeue() did not requeue
+
+    # -- signal handling ---------------------------------------------------------------------
+    def install(self) -> "PreemptionHandler":
+        """Install the handlers (main thread only); previous handlers are kept for ``uninstall``."""
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were installed before ``install``."""
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def _on_signal(self, signum, frame) -> None:  # record only; never do work in a handler
+        if self.received is None:
+            self.received = signal.Signals(signum)
+        if signum in self.requeue_signals:
+            self._requeue_wanted = True
+
+    def request_stop(self, sig: SignalLike = signal.SIGUSR1) -> None:
+        """Act as if ``sig`` had arrived on this rank (for tests and programmatic stops)."""
+        self._on_signal(_as_signal(sig), None)
+
+    # -- decisions -------------------------------------------------------------------------
+    def should_stop(self) -> bool:
+        """True on every rank once any rank got a stop signal. Collective when torch.distributed is
+        initialised: call it on all ranks of the group at the same point (e.g. after each step)."""
+        local = [self.received is not None or self._stop, self._requeue_wanted or self._requeue]
+        if dist.is_available() and dist.is_initialized():
+            on_gpu = dist.get_backend(self.group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            flags = torch.tensor([int(x) for x in local], dtype=torch.int32, device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            local = [bool(x) for x in flags.tolist()]
+        self._stop, self._requeue = local
+        return self._stop
+
+    @property
+    def requeue_requested(self) -> bool:
+        """Whether the agreed stop (as of the last ``should_stop()``) came with a requeue signal."""
+        return self._requeue
+
+    def requeue(self, force: bool = False) -> bool:
+        """``scontrol requeue $SLURM_JOB_ID`` on global rank 0 under SLURM; True if it did.
+
+        Only after a requeue signal was agreed by ``should_stop()`` unless ``force``. Call it after the
+        checkpoint is complete on all ranks: SLURM ends the running job right away. An array task's
+        ``SLURM_JOB_ID`` is its own id, so only that task is requeued. On failure returns False and sets
+        ``requeue_error``.
+        """
+        self.requeue_error = None
+        job_id = os.environ.get("SLURM_JOB_ID")
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not (force or self._requeue):
+            self.requeue_error = "no requeue signal was received"
+        elif not job_id:
+            self.requeue_error = "not running under SLURM (SLURM_JOB_ID is not set)"
+        elif rank != 0:
+            self.requeue_error = "only global rank 0 requeues"
+        else:
+            exe = shutil.which(self.scontrol)
+            if exe is None:
+                self.requeue_error = f"{self.scontrol} not found on PATH"
+            else:
+                try:
+                    proc = subprocess.run([exe, "requeue", job_id], capture_output=True, text=True, timeout=60)
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    self.requeue_error = f"{exe} requeue {job_id}: {e}"
+                else:
+                    if proc.returncode == 0:
+                        return True
+                    self.requeue_error = (f"{exe} requeue {job_id} failed ({proc.returncode}): "
+                                          + " ".join((proc.stderr or proc.stdout).split()))
+        return False

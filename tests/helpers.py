@@ -1,0 +1,36 @@
+"""Run project scripts in subprocesses (training installs the CPU compatibility layer process-wide,
+so tests keep it out of the pytest process)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env: dict | None = None):
+    """Run ``python <args>`` (or ``torchrun --nproc_per_node=nproc <args>``) from the repo root."""
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", *args]
+    else:
+        cmd = [sys.executable, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_json(args: list[str], out_path: str, **kw) -> dict:
+    run([*args[:1], out_path, *args[1:]], **kw)
+    with open(out_path) as f:
+        return json.load(f)

@@ -1,0 +1,54 @@
+"""Train the tiny model, checkpoint at step 1, then crash while writing the step-2 checkpoint.
+
+    python tests/scripts/crash_during_save.py RUN_DIR during_write|before_rename
+
+``during_write``: the process dies after dist_checkpointing wrote part of the files (one is truncated);
+``before_rename``: it dies after meta.json is written but before the directory is renamed.
+Run by tests/test_checkpoint_atomic.py, which then checks that ``latest`` still names step 1.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main(run_dir: str, mode: str) -> None:
+    from dmc_train.config import load_config
+    from dmc_train.training import checkpointing
+    from dmc_train.training.loop import train
+
+    def die():
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):  # dist_checkpointing's helper processes
+            child.kill()
+        os._exit(9)
+
+    real_save, real_finalize = checkpointing.dist_checkpointing.save, checkpointing._finalize
+
+    def crash_in_write(state, path, *a, **k):
+        real_save(state, path, *a, **k)
+        if path.endswith("iter_0000002.tmp"):
+            files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+            with open(os.path.join(path, files[0]), "r+b") as f:
+                f.truncate(10)
+            die()
+
+    def crash_before_rename(root, tmp, final, meta):
+        if final.endswith("iter_0000002"):
+            with open(os.path.join(tmp, checkpointing.META), "w") as f:
+                f.write("{}")
+            die()
+        real_finalize(root, tmp, final, meta)
+
+    if mode == "during_write":
+        checkpointing.dist_checkpointing.save = crash_in_write
+    else:
+        checkpointing._finalize = crash_before_rename
+    train(load_config(["+recipe=tiny_pretrain", f"run_dir={run_dir}", "train.max_steps=3",
+                       "checkpoint.save_interval=1", "train.eval_interval=0", "logging.progress=false"]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,107 @@
+"""PreemptionHandler: real signals set a flag, ranks agree on stopping, rank 0 requeues via scontrol."""
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from dmc_train.training.preemption import PreemptionHandler
+
+
+def fake_scontrol(bin_dir, record, exit_code=0):
+    """A ``scontrol`` that appends its argv to ``record`` (and fails with ``exit_code`` != 0)."""
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "scontrol"
+    exe.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\n'
+                   + (f'echo "scontrol: error: Job is not requeueable" >&2\nexit {exit_code}\n' if exit_code else ""))
+    exe.chmod(0o755)
+    return bin_dir
+
+
+@pytest.fixture
+def slurm_env(tmp_path, monkeypatch):
+    record = tmp_path / "scontrol_calls.txt"
+    bin_dir = fake_scontrol(tmp_path / "bin", record)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    return record
+
+
+def test_sigusr1_stops_and_requeues(slurm_env):
+    previous = signal.getsignal(signal.SIGUSR1)
+    with PreemptionHandler() as handler:
+        assert not handler.should_stop() and handler.received is None
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next bytecode
+        assert handler.received == signal.SIGUSR1
+        assert handler.should_stop() and handler.should_stop()  # sticky
+        assert handler.requeue_requested
+        assert handler.requeue() is True
+    assert slurm_env.read_text().split() == ["requeue", "4242"]
+    assert signal.getsignal(signal.SIGUSR1) is previous  # uninstalled
+
+
+def test_sigterm_stops_without_requeue(slurm_env):
+    with PreemptionHandler() as handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert handler.should_stop() and not handler.requeue_requested
+        assert handler.requeue() is False and "no requeue signal" in handler.requeue_error
+        assert not slurm_env.exists()
+        assert handler.requeue(force=True) is True
+    assert slurm_env.read_text().split() == ["requeue", "4242"]
+
+
+def test_requeue_needs_slurm(slurm_env, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID")
+    handler = PreemptionHandler()
+    handler.request_stop("USR1")
+    assert handler.should_stop()
+    assert handler.requeue() is False and "SLURM_JOB_ID" in handler.requeue_error
+    assert not slurm_env.exists()
+
+
+def test_requeue_reports_scontrol_failure(tmp_path, monkeypatch):
+    record = tmp_path / "calls.txt"
+    bin_dir = fake_scontrol(tmp_path / "bin", record, exit_code=1)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    handler = PreemptionHandler(signals=["SIGUSR2"], requeue_signals=["USR2"])
+    handler.request_stop(signal.SIGUSR2)
+    assert handler.should_stop()
+    assert handler.requeue() is False and "not requeueable" in handler.requeue_error
+    assert record.read_text().split() == ["requeue", "7"]
+    handler.scontrol = "no-such-scontrol"
+    assert handler.requeue() is False and "not found on PATH" in handler.requeue_error
+
+
+def _rank(rank, world, init_file, out_dir, bin_dir):
+    import torch.distributed as dist
+
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    os.environ["SLURM_JOB_ID"] = "99"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    handler = PreemptionHandler().install()
+    results = [handler.should_stop()]  # nobody signalled yet
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    results.append(handler.should_stop())  # rank 1's signal stops rank 0 too
+    dist.barrier()
+    results.append(handler.requeue())
+    (out_dir / f"rank{rank}.txt").write_text(" ".join(str(r) for r in results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ranks_agree_and_only_rank0_requeues(tmp_path):
+    record = tmp_path / "calls.txt"
+    bin_dir = fake_scontrol(tmp_path / "bin", record)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, 2, tmp_path / "init", tmp_path, bin_dir)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert (tmp_path / "rank0.txt").read_text() == "False True True"
+    assert (tmp_path / "rank1.txt").read_text() == "False True False"
+    assert record.read_text().split() == ["requeue", "99"]

@@ -1,0 +1,258 @@
+"""launch/submit.py and its SLURM script, run against fake sbatch/srun/scontrol/torchrun executables.
+
+The fakes are small shell scripts on PATH that record their argv; the rendered script is executed
+with bash under SLURM_* variables, so the whole chain sbatch -> srun -> torchrun_node.sh -> torchrun
+is checked without a cluster.
+"""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dmc_train.cluster import slurm
+from dmc_train.cluster.slurm import JobSpec
+from helpers import free_port
+
+ROOT = slurm.ROOT
+OVERRIDES = ["+recipe=tiny_pretrain", "parallel.tensor=2", "data.prefixes=[a b,c]"]
+
+FAKES = {
+    # one argv element per line, calls separated by "--"
+    "sbatch": 'printf "%s\\n" "$@" -- >> "$REC/sbatch"\necho "Submitted batch job 123"\n',
+    "scontrol": 'printf "%s\\n" "$@" -- >> "$REC/scontrol"\n'
+                'if [ "$1" = show ] && [ "$2" = hostnames ]; then printf "%s\\n" ${FAKE_HOSTS:-node001 node002}; fi\n',
+    # srun: record, drop its own options, run the command once (as the first node)
+    "srun": 'printf "%s\\n" "$@" -- >> "$REC/srun"\n'
+            'while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n',
+    "torchrun": 'printf "%s\\n" "$@" > "$REC/torchrun"\n',
+}
+
+
+@pytest.fixture
+def fakes(tmp_path, monkeypatch):
+    """PATH with fake SLURM tools and torchrun; returns the directory their records go to."""
+    bin_dir, rec = tmp_path / "bin", tmp_path / "rec"
+    bin_dir.mkdir()
+    rec.mkdir()
+    for name, body in FAKES.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("REC", str(rec))
+    return rec
+
+
+def calls(path) -> list[list[str]]:
+    if not path.exists():
+        return []
+    text = path.read_text().split("\n")
+    out, cur = [], []
+    for line in text[:-1]:
+        if line == "--":
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(line)
+    return out
+
+
+def spec(tmp_path, **kw) -> JobSpec:
+    base = dict(overrides=list(OVERRIDES), nodes=2, gpus_per_node=4, log_dir=str(tmp_path / "logs"),
+                run_dir=str(tmp_path / "run"), job_name="job", partition="gpu", account="acct")
+    return JobSpec(**{**base, **kw})
+
+
+def run_script(script: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    slurm_env = {"SLURM_JOB_ID": "123", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[001-002]",
+                 "SLURM_JOB_NAME": "job", "SLURM_CPUS_ON_NODE": "16", **env}
+    return subprocess.run(["bash", str(path)], env={**os.environ, **slurm_env}, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("array", [None, "0-3"])
+def test_rendered_script_is_valid_bash(tmp_path, array):
+    script = slurm.render(spec(tmp_path, array=array, setup=["module load cuda", "echo 'ready'"]))
+    proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --signal=USR1@300" in script and "#SBATCH --requeue" in script
+    assert ("#SBATCH --array=0-3" in script) == bool(array)
+    assert "\nmodule load cuda\necho 'ready'\n" in script
+    assert "{{" not in script
+
+
+def test_script_launches_srun_and_torchrun(tmp_path, fakes):
+    proc = run_script(slurm.render(spec(tmp_path, cpus_per_task=16)), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert calls(fakes / "scontrol") == [["show", "hostnames", "node[001-002]"]]
+    assert calls(fakes / "srun") == [["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                      "--cpus-per-task=16", "bash", "launch/slurm/torchrun_node.sh",
+                                      *(fakes / "torchrun").read_text().splitlines()]]
+    log_dir = tmp_path / "logs" / "job-123"
+    assert (fakes / "torchrun").read_text().splitlines() == [
+        "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=node001:29623",  # 29500 + 123 % 1000
+        "--rdzv_id=123", f"--log-dir={log_dir}/torchrun", "--tee=3",
+        "launch/pretrain.py", "+recipe=tiny_pretrain", f"run_dir={tmp_path / 'run'}", "checkpoint.resume=auto",
+        "parallel.tensor=2", "data.prefixes=[a b,c]"]
+    assert log_dir.is_dir()
+    assert "rendezvous node001:29623" in proc.stdout
+
+
+def test_array_task_gets_its_id_and_run_dir(tmp_path, fakes):
+    proc = run_script(slurm.render(spec(tmp_path, array="0-3", port=31000)), tmp_path,
+                      SLURM_ARRAY_TASK_ID="3", SLURM_ARRAY_JOB_ID="120")
+    assert proc.returncode == 0, proc.stderr
+    args = (fakes / "torchrun").read_text().splitlines()
+    assert "--rdzv_endpoint=node001:31000" in args
+    assert f"run_dir={tmp_path / 'run'}/task_3" in args
+    assert args[-1] == "++array_task_id=3"
+    assert f"--log-dir={tmp_path / 'logs'}/job-120_3/torchrun" in args
+
+
+def test_submit_calls_sbatch_with_the_written_script(tmp_path, fakes):
+    out, err = io.StringIO(), io.StringIO()
+    assert slurm.run(spec(tmp_path), out=out, err=err) == 0, err.getvalue()
+    (script_path,), = calls(fakes / "sbatch")
+    assert script_path.startswith(str(tmp_path / "logs" / "job-")) and script_path.endswith(".sbatch")
+    script = open(script_path).read()
+    assert "launch/pretrain.py +recipe=tiny_pretrain" in script
+    assert f"#SBATCH --output={tmp_path / 'logs'}/%x-%j.out" in script
+    assert out.getvalue().startswith("Submitted batch job 123 ")
+
+
+def test_logs_default_to_the_run_dir(tmp_path, fakes):
+    assert slurm.run(spec(tmp_path, log_dir=None), out=io.StringIO()) == 0
+    (script_path,), = calls(fakes / "sbatch")
+    assert os.path.dirname(script_path) == str(tmp_path / "run" / "slurm")
+    assert f"#SBATCH --output={tmp_path / 'run' / 'slurm'}/%x-%j.out" in open(script_path).read()
+
+
+def test_dry_run_prints_and_does_not_submit(tmp_path, fakes):
+    out, err = io.StringIO(), io.StringIO()
+    assert slurm.run(spec(tmp_path, requeue=False, signal_seconds=0), dry_run=True, out=out, err=err) == 0
+    assert out.getvalue().startswith("#!/bin/bash\n")
+    assert "#SBATCH --no-requeue" in out.getvalue() and "#SBATCH --signal" not in out.getvalue()
+    assert calls(fakes / "sbatch") == [] and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(nodes=1, gpus_per_node=2, overrides=["+recipe=tiny_pretrain", "parallel.tensor=2", "parallel.pipeline=2"]),
+     "world size 2 is not divisible by parallel.tensor x parallel.pipeline = 2x2"),
+    (dict(overrides=["+recipe=no_such_recipe"]), "no_such_recipe"),
+    (dict(overrides=["parallel.tensor=2"]), "+recipe=<name>"),
+    (dict(overrides=["+recipe=tiny_pretrain", "parallel.tensr=2"]), "tensr"),
+    (dict(time="tomorrow"), "--time="),
+    (dict(array="0-3;rm"), "--array="),
+    (dict(setup=["echo a\necho b"]), "newlines"),
+])
+def test_bad_options_fail_in_one_line_without_sbatch(tmp_path, fakes, kw, message):
+    out, err = io.StringIO(), io.StringIO()
+    assert slurm.run(spec(tmp_path, **kw), out=out, err=err) == 2
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert out.getvalue() == "" and calls(fakes / "sbatch") == []
+
+
+def test_cli_exit_code_and_one_line(tmp_path, fakes):
+    proc = subprocess.run([sys.executable, "launch/submit.py", "+recipe=tiny_pretrain", "parallel.tensor=2",
+                           "parallel.pipeline=2", "--nodes", "1", "--gpus-per-node", "2",
+                           "--log-dir", str(tmp_path / "logs")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and "not divisible" in proc.stderr
+    assert calls(fakes / "sbatch") == []
+    proc = subprocess.run([sys.executable, "launch/submit.py", *OVERRIDES, "--nodes", "2", "--gpus-per-node", "4",
+                           "--log-dir", str(tmp_path / "logs"), "--job-name", "cli"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "Submitted batch job 123" in proc.stdout and len(calls(fakes / "sbatch")) == 1
+
+
+WORKER = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+open(sys.argv[1] + ".ready", "w").close()
+deadline = time.time() + 20
+while not got and time.time() < deadline:
+    time.sleep(0.01)
+open(sys.argv[1], "w").write("got SIGUSR1" if got else "timeout")
+"""
+
+# like torchrun: starts the rank in its own session, waits for it, no SIGUSR1 handler of its own
+FAKE_TORCHRUN = """
+import subprocess, sys
+rank = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]], start_new_session=True)
+sys.exit(rank.wait())
+"""
+
+
+def test_node_wrapper_hands_sigusr1_to_the_ranks(tmp_path):
+    """Slurm signalling the task's process group (or just the wrapper) must reach the ranks and
+    must not kill torchrun."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "worker.py").write_text(WORKER)
+    (bin_dir / "torchrun").write_text(f"#!{sys.executable}\n" + FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    result = tmp_path / "rank0"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    wrapper = subprocess.Popen(["bash", "launch/slurm/torchrun_node.sh", str(tmp_path / "worker.py"), str(result)],
+                               cwd=ROOT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while not (tmp_path / "rank0.ready").exists():
+            assert time.time() < deadline and wrapper.poll() is None
+            time.sleep(0.02)
+        os.killpg(wrapper.pid, signal.SIGUSR1)  # what proctrack/pgid does; cgroup also hits the rank
+        assert wrapper.wait(30) == 0  # torchrun survived and exited with the rank's status
+    finally:
+        if wrapper.poll() is None:
+            os.killpg(wrapper.pid, signal.SIGKILL)
+    assert result.read_text() == "got SIGUSR1"
+
+
+@pytest.mark.distributed
+def test_script_trains_with_real_torchrun_and_continues_when_rerun(tmp_path, fakes):
+    """The rendered script under fake srun/scontrol and the real torchrun (2 CPU ranks, c10d
+    rendezvous): a job limited by train.max_steps_per_job stops at a checkpoint; running the same
+    script again (what a requeue does) continues from it (checkpoint.resume=auto)."""
+    torchrun_dir = os.path.dirname(sys.executable)
+    os.remove(os.path.join(os.environ["PATH"].split(os.pathsep)[0], "torchrun"))  # use the real one
+    job = spec(tmp_path, nodes=1, gpus_per_node=2, setup=[f"export PATH={torchrun_dir}:$PATH"], port=free_port(),
+               overrides=["+recipe=tiny_pretrain", "train.max_steps=4", "train.max_steps_per_job=2",
+                          "checkpoint.save_interval=0", "logging.progress=false"])
+    script = slurm.render(job)
+    env = dict(SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_CPUS_ON_NODE="2", FAKE_HOSTS="localhost")
+    for attempt, steps in ((0, 2), (1, 4)):
+        proc = run_script(script, tmp_path, SLURM_RESTART_COUNT=str(attempt), **env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert f"done: {steps} steps" in proc.stdout
+        assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+    assert "resumed from" in proc.stdout
+
+
+def test_hydra_submitit_launcher_config_composes():
+    """recipes/hydra/launcher/slurm_gpu.yaml extends the plugin's submitit_slurm (if installed)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dmc_train.config import RECIPES_DIR, register_schema
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=RECIPES_DIR, version_base=None):
+        cfg = compose("config", ["+recipe=tiny_pretrain", "hydra/launcher=slurm_gpu", "hydra.launcher.nodes=2"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.gpus_per_node, launcher.tasks_per_node) == (2, 8, 8)
+    assert launcher.signal_delay_s == 300 and launcher.additional_parameters.requeue is True
+    assert launcher.setup[0] == "export PYTHONPATH=$SLURM_SUBMIT_DIR:$PYTHONPATH"
