@@ -44,10 +44,11 @@ def fail(message: str) -> None:
 
 def run_reporting_errors(fn: Callable[[], None]) -> None:
     """Run ``fn``; user-facing errors (bad config, bad checkpoint) end in one line and exit code 2."""
+    from dmc_train.data.errors import DataError
     from dmc_train.distributed import ConfigError
     from dmc_train.training.checkpointing import CheckpointError
 
     try:
         fn()
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, DataError, FileNotFoundError) as e:
         fail(str(e))

@@ -30,9 +30,13 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dmc_train.distributed import ConfigError, barrier, broadcast_object, is_rank0, world_size
 
+# What a truncated or corrupt checkpoint raises: many Exception types from megatron/pickle, and
+# torch.distributed.checkpoint's CheckpointException, which derives from BaseException.
+_READ_ERRORS = (Exception, CheckpointException)
 LATEST = "latest"
 META = "meta.json"
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -268,7 +272,7 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
                              with_optimizer=full, with_rng=full and same_world)
     try:
         state = dist_checkpointing.load(request, ckpt)
-    except Exception as e:  # megatron raises many types for truncated/corrupt files
+    except _READ_ERRORS as e:
         raise CheckpointError(f"checkpoint {ckpt} could not be read ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]}); it is truncated or corrupt - "
                               f"resume from an older checkpoint or use checkpoint.resume=none") from None
@@ -316,7 +320,7 @@ def load_weights(ckpt: str, model_chunks: list, cfg: Any = None) -> dict:
     request = {_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
     try:
         state = dist_checkpointing.load(request, ckpt)
-    except Exception as e:
+    except _READ_ERRORS as e:
         raise CheckpointError(f"checkpoint {ckpt} could not be read ({type(e).__name__}); it is truncated or "
                               f"corrupt") from None
     for i, chunk in enumerate(model_chunks):

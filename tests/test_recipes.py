@@ -1,0 +1,52 @@
+"""Every recipe composes against the schema and validates for its intended layout (no model built)."""
+
+import os
+
+import pytest
+
+from dmc_train.config import RECIPES_DIR, load_config, validate
+from dmc_train.distributed import ConfigError
+
+RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(RECIPES_DIR, "recipe")) if f.endswith(".yaml"))
+BIG = {"llama2_7b": (6.74e9, 8), "llama2_13b": (13.0e9, 8), "llama2_70b": (69.0e9, 64)}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_composes_and_validates(name):
+    overrides = [f"+recipe={name}"]
+    cfg = load_config(overrides)
+    if cfg.data.kind == "indexed" and not cfg.data.get("prefixes", None):
+        cfg = load_config(overrides + ["data.prefixes=[/data/corpus_text_document]"])
+    world = BIG.get(name, (None, cfg.parallel.tensor * cfg.parallel.pipeline))[1]
+    validate(cfg, world_size=world)
+
+
+@pytest.mark.parametrize("name", sorted(BIG))
+def test_big_recipes_carry_paper_settings(name):
+    from dmc_train.models.llama import count_parameters
+
+    cfg = load_config([f"+recipe={name}", "data.prefixes=[x]"])
+    o = cfg.optim
+    assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad) == (0.9, 0.95, 1e-5, 0.1, 1.0)
+    assert o.lr == (1.5e-5 if name == "llama2_70b" else 3e-5) and o.schedule == "constant"
+    assert (cfg.train.global_batch_size, cfg.train.seq_length, cfg.train.precision) == (1024, 4096, "bf16")
+    assert count_parameters(cfg.model) == pytest.approx(BIG[name][0], rel=0.005)
+
+
+def test_unknown_key_is_rejected():
+    with pytest.raises(Exception, match="nonexistent"):
+        load_config(["+recipe=tiny_pretrain", "train.nonexistent=1"])
+
+
+@pytest.mark.parametrize("override, message", [
+    (["parallel.tensor=3"], "does not divide model.num_attention_heads=8"),
+    (["model.num_query_groups=2", "parallel.tensor=4"], "does not divide model.num_query_groups=2"),
+    (["parallel.pipeline=2"], "world size 1 is not divisible"),
+    (["train.precision=fp8"], "train.precision='fp8' is not one of fp32, bf16, fp16"),
+    (["train.global_batch_size=7"], "global_batch_size=7 is not divisible"),
+    (["model.num_query_groups=3"], "num_query_groups=3 does not divide"),
+])
+def test_invalid_values_name_the_field(override, message):
+    cfg = load_config(["+recipe=tiny_pretrain", *override])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate(cfg, world_size=1)
