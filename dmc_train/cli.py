@@ -36,10 +36,13 @@ def precheck(argv: list[str], config_name: str = "config") -> None:
         fail(f"config error: {one_line(e)}")
 
 
-def fail(message: str) -> None:
+EXIT_DIVERGED = 3
+
+
+def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_USER_ERROR)
+    sys.exit(code)
 
 
 def run_reporting_errors(fn: Callable[[], None]) -> None:
@@ -47,8 +50,11 @@ def run_reporting_errors(fn: Callable[[], None]) -> None:
     from dmc_train.data.errors import DataError
     from dmc_train.distributed import ConfigError
     from dmc_train.training.checkpointing import CheckpointError
+    from dmc_train.training.loop import TrainingDiverged
 
     try:
         fn()
     except (ConfigError, CheckpointError, DataError, FileNotFoundError) as e:
         fail(str(e))
+    except TrainingDiverged as e:
+        fail(str(e), EXIT_DIVERGED)

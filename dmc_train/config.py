@@ -71,6 +71,8 @@ class TrainConfig:
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16
     recompute: str = "none"  # none | selective | full
+    max_nonfinite_steps: int = 5  # stop after this many consecutive steps with a NaN/Inf loss or gradient
+    inject_nonfinite_at: list[int] = field(default_factory=list)  # testing: steps whose loss is made NaN
     eval_interval: int = 0  # 0 = never
     eval_iters: int = 2
     log_interval: int = 1

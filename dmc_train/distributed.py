@@ -55,7 +55,16 @@ def read_launch_env() -> LaunchEnv:
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="slurm",
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)), "single")
+    # A single process needs a store port too; a free one lets several such runs share a machine.
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _first_slurm_host(nodelist: str) -> str:

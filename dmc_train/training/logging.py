@@ -35,13 +35,16 @@ class RunLogger:
         if cfg is not None and cfg.logging.wandb_project:
             self.wandb = _start_wandb(cfg, run_dir)
 
-    def log(self, step: int, metrics: dict) -> None:
-        """Record metrics of optimizer step ``step`` (1-based) and print the progress line."""
+    def log(self, step: int, metrics: dict, exclude_seconds: float = 0.0) -> None:
+        """Record metrics of optimizer step ``step`` (1-based) and print the progress line.
+
+        ``exclude_seconds`` (e.g. time spent evaluating) is left out of tokens/s and the ETA.
+        """
         if not self.active:
             return
         now = time.perf_counter()
         done_steps = step - (self.step_last if self.step_last is not None else step - 1)
-        dt = now - self.t_last
+        dt = now - self.t_last - exclude_seconds
         tok_s = done_steps * self.tokens_per_step / dt if dt > 0 else 0.0
         eta = (self.total_steps - step) * dt / max(done_steps, 1)
         self.t_last, self.step_last = now, step

@@ -26,6 +26,7 @@ from dmc_train.models.llama import build_model, count_parameters
 from dmc_train.training import checkpointing as ckpt_mod
 from dmc_train.training.batches import chunk_iterators, step_microbatches
 from dmc_train.training.logging import RunLogger
+from dmc_train.training.preemption import PreemptionHandler
 from dmc_train.training.setup import build_optimizer, build_scheduler, wrap_ddp
 
 
@@ -37,15 +38,28 @@ def total_steps(cfg: Any) -> int:
     return steps
 
 
-def build_datasets(cfg: Any):
-    """(train, valid) map-style datasets of dict samples; see dmc_train.data."""
+def build_datasets(cfg: Any, num_train_samples: int):
+    """(train, valid, test) map-style datasets of dict samples (``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids``, each ``[seq_length]``); valid/test hold one epoch, test may be None."""
     if cfg.data.kind == "synthetic":
         from dmc_train.data.synthetic import SyntheticDataset
 
         n = 1 << 40
-        return (SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed),
-                SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed + 1))
-    raise config_mod.ConfigError(f"data.kind={cfg.data.kind!r} is not supported yet")
+        return tuple(SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed + k)
+                     for k in range(3))
+    from dmc_train.data.datasets import build_gpt_datasets
+
+    d = cfg.data
+    return build_gpt_datasets(
+        list(d.prefixes), weights=list(d.weights) if d.weights else None, split=d.split,
+        valid_prefixes=list(d.valid_prefixes), test_prefixes=list(d.test_prefixes),
+        seq_length=cfg.train.seq_length, seed=cfg.train.seed,
+        num_samples=(num_train_samples, None, None if d.test_prefixes else 0),
+        tokenizer=d.tokenizer, cache_dir=d.cache_dir, model_vocab_size=cfg.model.vocab_size)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite steps; the last good state was checkpointed."""
 
 
 class Trainer:
@@ -60,11 +74,13 @@ class Trainer:
         self.method = method or build_method(cfg)
         self.resume = ckpt_mod.resolve_resume(cfg)  # before building: mismatches fail fast
         self.total_steps = total_steps(cfg)
+        # Data before the model: a missing prefix or a too-large vocabulary fails fast.
+        self.train_data, self.valid_data, self.test_data = build_datasets(
+            cfg, self.total_steps * cfg.train.global_batch_size)
         chunks = build_model(cfg, spec_hook=self.method.layer_spec)
         self.model = wrap_ddp(cfg, chunks)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
-        self.train_data, self.valid_data = build_datasets(cfg)
         self.step, self.consumed = 0, 0
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.num_micro = config_mod.num_microbatches(cfg, self.dp_size)
@@ -84,6 +100,8 @@ class Trainer:
         """``per_token_loss [b, s]`` -> (loss sum, token count, metrics) - megatron's per-token convention."""
         mask = loss_mask.float()
         lm_sum = (per_token_loss.float() * mask).sum()
+        if self.step + 1 in self.cfg.train.inject_nonfinite_at:  # fault injection for the NaN guard's tests
+            lm_sum = lm_sum * float("nan")
         num_tokens = mask.sum()
         total = lm_sum
         metrics = {"lm_loss": torch.stack([lm_sum.detach(), num_tokens])}
@@ -107,17 +125,25 @@ class Trainer:
         )
 
     def train_step(self) -> dict:
-        """One optimizer step; returns metrics (identical on every rank)."""
+        """One optimizer step; returns metrics (identical on every rank).
+
+        A step whose loss or gradients are not finite (on any rank) is skipped: no optimizer or LR
+        update, the batch counts as consumed, ``metrics["skipped"] = 1``.
+        """
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.method.before_step(self.step, self.model)
         losses = self._run_schedule(self.train_data, self.consumed, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        metrics = reduce_losses(losses)
+        if self._all_finite(metrics["lm_loss"]):
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=1)
+        else:
+            ok, grad_norm = False, float("nan")
         self.step += 1
         self.consumed += self.cfg.train.global_batch_size
-        metrics = reduce_losses(losses)
         metrics.update(self.method.after_step(self.step, self.model))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
@@ -125,17 +151,35 @@ class Trainer:
             metrics["skipped"] = 1
         return metrics
 
+    def _all_finite(self, loss: float) -> bool:
+        """Loss and every local gradient finite, agreed over all ranks (a NaN may hit one stage only)."""
+        finite = math.isfinite(loss)
+        for chunk in self.model:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                if finite and g is not None and not torch.isfinite(g).all():
+                    finite = False
+        flag = torch.tensor([1.0 if finite else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     @torch.no_grad()
-    def evaluate(self, iters: Optional[int] = None) -> float:
-        """Mean LM loss over ``iters`` global batches of the validation data (fixed samples)."""
+    def evaluate(self, dataset=None, batches: Optional[int] = None) -> dict[str, float]:
+        """Mean LM loss over ``batches`` global batches of ``dataset`` (default: validation data,
+        ``train.eval_iters`` batches; ``batches=-1``: every full global batch of the dataset)."""
+        dataset = self.valid_data if dataset is None else dataset
+        gb = self.cfg.train.global_batch_size
+        if batches == -1:
+            batches = len(dataset) // gb
         for chunk in self.model:
             chunk.eval()
-        totals = []
-        for i in range(iters or self.cfg.train.eval_iters):
-            totals.append(self._run_schedule(self.valid_data, i * self.cfg.train.global_batch_size, True))
+        per_micro = []
+        for i in range(batches or self.cfg.train.eval_iters):
+            per_micro += self._run_schedule(dataset, i * gb, True)
         for chunk in self.model:
             chunk.train()
-        return reduce_losses([x for t in totals for x in t])["lm_loss"]
+        return reduce_losses(per_micro)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
@@ -214,21 +258,50 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
              f"{' VPP=' + str(cfg.parallel.virtual_pipeline) if cfg.parallel.virtual_pipeline else ''}; "
              f"{trainer.num_micro} micro-batches/step; start-up {startup_seconds():.1f}s"
              + (f"; resumed from {trainer.resume[0]} at step {trainer.step}" if trainer.resume else ""))
-    history, last_ckpt = [], None
+    history, last_ckpt, not_training = [], None, 0.0
     save_every = cfg.checkpoint.save_interval
     stop_at = trainer.total_steps
     if cfg.train.max_steps_per_job is not None:
         stop_at = min(stop_at, trainer.step + cfg.train.max_steps_per_job)
-    while trainer.step < stop_at:
-        metrics = trainer.train_step()
-        if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
-            metrics["val_loss"] = trainer.evaluate()
-        history.append(metrics)
-        if trainer.step % cfg.train.log_interval == 0 or trainer.step == trainer.total_steps:
-            log.log(trainer.step, metrics)
-        if save_every and trainer.step % save_every == 0:
+    preemption = PreemptionHandler().install()
+    bad_in_row, preempted = 0, False
+    try:
+        while trainer.step < stop_at:
+            metrics = trainer.train_step()
+            bad_in_row = bad_in_row + 1 if metrics.get("skipped") else 0
+            if bad_in_row:
+                log.info(f"step {trainer.step}: non-finite loss or gradient, update skipped "
+                         f"({bad_in_row} in a row, limit {cfg.train.max_nonfinite_steps})")
+            if bad_in_row >= cfg.train.max_nonfinite_steps:
+                last_good = trainer.save()
+                raise TrainingDiverged(
+                    f"training stopped at step {trainer.step}: {bad_in_row} consecutive steps with a non-finite "
+                    f"loss or gradient; the last good weights are saved in {last_good}; lower optim.lr, "
+                    f"check the data, or raise train.max_nonfinite_steps")
+            if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
+                t_eval = time.perf_counter()
+                metrics["val_loss"] = trainer.evaluate()["lm_loss"]
+                not_training += time.perf_counter() - t_eval
+            history.append(metrics)
+            if trainer.step % cfg.train.log_interval == 0 or trainer.step == stop_at:
+                log.log(trainer.step, metrics, exclude_seconds=not_training)
+                not_training = 0.0
+            if preemption.should_stop():  # a collective: every rank asks after every step
+                preempted = True
+                break
+            if save_every and trainer.step % save_every == 0:
+                t_save = time.perf_counter()
+                last_ckpt = trainer.save()
+                not_training += time.perf_counter() - t_save
+        if preempted or (cfg.checkpoint.save_at_end and history and (not save_every or trainer.step % save_every)):
             last_ckpt = trainer.save()
-    if cfg.checkpoint.save_at_end and history and (not save_every or trainer.step % save_every):
-        last_ckpt = trainer.save()
+        if preempted:
+            requeued = preemption.requeue()
+            log.info(f"stopped by {preemption.received.name if preemption.received else 'a signal'} after step "
+                     f"{trainer.step}; checkpoint {last_ckpt}; "
+                     + ("job requeued" if requeued else "not requeued (" + str(preemption.requeue_error) + ")"))
+    finally:
+        preemption.uninstall()
     log.close()
-    return {"steps": trainer.step, "history": history, "checkpoint": last_ckpt, "trainer": trainer}
+    return {"steps": trainer.step, "history": history, "checkpoint": last_ckpt, "trainer": trainer,
+            "preempted": preempted}

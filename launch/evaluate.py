@@ -1,0 +1,42 @@
+"""Evaluate a run's checkpoint: held-out perplexity (valid/test) beside the unigram baseline.
+
+    python launch/evaluate.py +recipe=base_tiny                       # the run's latest checkpoint
+    python launch/evaluate.py +recipe=base_tiny checkpoint.resume=runs/base_tiny/checkpoints/iter_0000400
+
+Writes <run_dir>/eval.json.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hydra  # noqa: E402
+
+from dmc_train import cli  # noqa: E402
+from dmc_train.config import register_schema  # noqa: E402
+
+
+@hydra.main(config_path="../recipes", config_name="config", version_base=None)
+def main(cfg) -> None:
+    from dmc_train import distributed
+    from dmc_train.evaluation.perplexity import evaluate_checkpoint
+
+    def run():
+        r = evaluate_checkpoint(cfg)
+        if distributed.is_rank0():
+            print(f"checkpoint {r['checkpoint']} (step {r['step']})")
+            for split in ("valid", "test"):
+                if f"{split}_ppl" in r:
+                    uni = r.get(f"{split}_unigram_ppl")
+                    print(f"  {split}: loss {r[f'{split}_loss']:.4f}  perplexity {r[f'{split}_ppl']:.2f}"
+                          + (f"  (unigram baseline {uni:.2f})" if uni else ""))
+
+    cli.run_reporting_errors(run)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    register_schema()
+    cli.precheck(sys.argv[1:])
+    main()
