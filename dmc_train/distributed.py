@@ -11,7 +11,6 @@ layer (``install_cpu_compat``) must be active before megatron builds any module.
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 import subprocess
 from dataclasses import dataclass
@@ -245,11 +244,6 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-@functools.cache
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
 
 
 def shutdown() -> None:

@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dmc_train.distributed import ConfigError, barrier, broadcast_object, is_rank0, world_size
+from dmc_train.distributed import barrier, is_rank0, world_size
 
 # What a truncated or corrupt checkpoint raises: many Exception types from megatron/pickle, and
 # torch.distributed.checkpoint's CheckpointException, which derives from BaseException.
@@ -326,12 +326,3 @@ def load_weights(ckpt: str, model_chunks: list, cfg: Any = None) -> dict:
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(state[_model_key(i, len(model_chunks))], strict=True)
     return meta
-
-
-def agree_on(value):
-    """Rank 0's value on every rank (e.g. the resume decision)."""
-    return broadcast_object(value)
-
-
-__all__ = ["CheckpointError", "ConfigError", "resolve_resume", "save_checkpoint", "load_checkpoint",
-           "load_weights", "read_latest", "read_meta", "checkpoint_root"]

@@ -22,11 +22,11 @@ class RunLogger:
     """Rank 0 writes; other ranks' calls are no-ops. ``log`` appends one JSON object per line."""
 
     def __init__(self, run_dir: str, total_steps: int, tokens_per_step: int, cfg: Optional[Any] = None,
-                 progress: bool = True):
+                 progress: bool = True, start_step: int = 0):
         self.active = is_rank0()
         self.total_steps, self.tokens_per_step, self.progress = total_steps, tokens_per_step, progress
         self.t_start = time.perf_counter()
-        self.t_last, self.step_last = self.t_start, None
+        self.t_last, self.step_last = self.t_start, start_step
         self.wandb = None
         if not self.active:
             return
@@ -43,7 +43,7 @@ class RunLogger:
         if not self.active:
             return
         now = time.perf_counter()
-        done_steps = step - (self.step_last if self.step_last is not None else step - 1)
+        done_steps = step - self.step_last
         dt = now - self.t_last - exclude_seconds
         tok_s = done_steps * self.tokens_per_step / dt if dt > 0 else 0.0
         eta = (self.total_steps - step) * dt / max(done_steps, 1)

@@ -44,9 +44,9 @@ def build_datasets(cfg: Any, num_train_samples: int):
     if cfg.data.kind == "synthetic":
         from dmc_train.data.synthetic import SyntheticDataset
 
-        n = 1 << 40
+        held_out = max(cfg.train.eval_iters, 1) * cfg.train.global_batch_size
         return tuple(SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed + k)
-                     for k in range(3))
+                     for k, n in enumerate((num_train_samples, held_out, held_out)))
     from dmc_train.data.datasets import build_gpt_datasets
 
     d = cfg.data
@@ -250,7 +250,7 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
     """Train until the step/token budget; returns a summary (final losses, steps, checkpoint)."""
     trainer = Trainer(cfg, method)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
-    log = RunLogger(cfg.run_dir, trainer.total_steps, tokens_per_step, cfg, cfg.logging.progress)
+    log = RunLogger(cfg.run_dir, trainer.total_steps, tokens_per_step, cfg, cfg.logging.progress, trainer.step)
     if distributed.is_rank0():
         OmegaConf.save(cfg, os.path.join(cfg.run_dir, "config.yaml"), resolve=True)
     log.info(f"model {cfg.model.name}: {count_parameters(cfg.model) / 1e6:.2f}M parameters; layout "

@@ -1,0 +1,105 @@
+"""Token-by-token DMC inference (Algorithm 1) with an explicit growing cache per head. Tests only.
+
+Which cache does the query at step t attend to? The cache *after* token t's update:
+
+    cache_t = [ k~_j for j < t with alpha_{j+1} = 0 ]  (closed slots: segment j ended because j+1 appended)
+            + [ k~_t ]                                   (open slot: t's own running segment)
+
+where k~ is Eq. 9 with hard alpha. This is exactly the training visibility of Fig. 3 (query i sees
+state j < i iff alpha_{j+1} = 0, its own state always), so training with hard decisions and this
+simulation give the same attention outputs. It is also what a decoder does: update the cache with
+(k_t, v_t), then attend with q_t over it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_gqa, check_kv, check_per_head
+
+
+class DMCHeadCache:
+    """The KV cache of one (sequence, KV head) under Algorithm 1.
+
+    Slots hold normalised keys/values ``[d]`` / ``[d_v]``; ``z`` is the running importance sum of the
+    open (last) slot.
+    """
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.z: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, alpha: float, omega: torch.Tensor) -> None:
+        """Algorithm 1 for one token: ``alpha == 1`` accumulates into the last slot, otherwise (and
+        always for the first token) appends. ``k [d]``, ``v [d_v]``, ``omega`` a scalar tensor."""
+        if alpha == 1 and self.keys:  # ACCUMULATE: weighted average with the open slot
+            z_prev, self.z = self.z, self.z + omega
+            self.keys[-1] = (self.keys[-1] * z_prev + k * omega) / self.z
+            self.values[-1] = (self.values[-1] * z_prev + v * omega) / self.z
+        else:  # APPEND: open a new segment
+            self.z = omega
+            self.keys.append(k)
+            self.values.append(v)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K [l, d], V [l, d_v])`` of the current cache."""
+        return torch.stack(self.keys), torch.stack(self.values)
+
+
+def simulate_dmc_inference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha_hard: torch.Tensor,
+    omega: torch.Tensor,
+    scale: float | None = None,
+    return_caches: bool = False,
+):
+    """Run Algorithm 1 token by token and attend each query over the current cache (module docstring).
+
+    Args:
+        q: ``[b, h_q, n, d]``; query head j reads KV head ``j // (h_q // h_kv)``.
+        k: raw keys ``[b, h_kv, n, d]`` (not accumulated); v: ``[b, h_kv, n, d_v]``.
+        alpha_hard: decisions ``[b, h_kv, n]`` in {0, 1}; ``alpha_hard[..., 0]`` is ignored (append).
+        omega: importances ``[b, h_kv, n]`` > 0.
+        scale: score scale, default ``1 / sqrt(d)``.
+        return_caches: also return the final ``caches[b][h_kv]`` (:class:`DMCHeadCache`).
+
+    Returns:
+        ``(out [b, h_q, n, d_v], cache_lengths [b, h_kv, n])`` (+ caches): ``cache_lengths[..., t]``
+        is the number of slots after token t's update. Computed in float64, ``out`` in q's dtype.
+    """
+    check_kv(k, v)
+    G = check_gqa(q, k)
+    check_per_head("alpha_hard", alpha_hard, k)
+    check_per_head("omega", omega, k)
+    if not bool(((alpha_hard == 0) | (alpha_hard == 1)).all()):
+        raise ValueError("alpha_hard must contain only 0 and 1 (hard decisions)")
+    b, hq, n, d = q.shape
+    hk, dv = k.shape[1], v.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    q64, k64, v64, w64 = (t.detach().to(torch.float64) for t in (q, k, v, omega))
+    out = torch.zeros(b, hq, n, dv, dtype=torch.float64)
+    lengths = torch.zeros(b, hk, n, dtype=torch.long)
+    caches = [[DMCHeadCache() for _ in range(hk)] for _ in range(b)]
+    for bi in range(b):
+        for h in range(hk):
+            cache = caches[bi][h]
+            for t in range(n):
+                cache.update(k64[bi, h, t], v64[bi, h, t], float(alpha_hard[bi, h, t]), w64[bi, h, t])
+                lengths[bi, h, t] = len(cache)
+                keys, values = cache.stacked()
+                for j in range(h * G, (h + 1) * G):
+                    weights = torch.softmax(keys @ q64[bi, j, t] * scale, dim=0)
+                    out[bi, j, t] = weights @ values
+    out = out.to(q.dtype)
+    if return_caches:
+        return out, lengths, caches
+    return out, lengths
