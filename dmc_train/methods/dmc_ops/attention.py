@@ -10,11 +10,12 @@ additive bias
 so with hard alpha in {0, 1} it is exactly the inference-time visibility of Algorithm 1.
 
 ``dmc_attention`` is a flash-style ``torch.autograd.Function``: queries are processed in blocks of
-``block`` rows; for each block the visible keys are visited in ranges of ``key_block`` columns with
-an online softmax, starting with the range that holds the diagonal (so the running max is finite
-from the first step and no row is ever all ``-inf``). Only q, k~, v~, alpha, the output and the row
-log-sum-exp are saved; backward recomputes the blocks. Nothing of size n x n is allocated: the
-largest temporary is ``[b, h_q, block, key_block]``.
+``block`` rows. For each block the diagonal square (the only place needing a 2-D bias) is done
+first, so the running max is finite from the first step and no row is ever all ``-inf``; the keys
+before the block follow in ranges of ``key_block`` columns with an online softmax and a per-column
+bias. Only q, k~, v~, alpha, the output and the row log-sum-exp are saved; backward recomputes the
+blocks. Nothing of size n x n is allocated: the largest temporary is
+``[b, h_q, block, max(block, key_block)]``.
 
 Gradient w.r.t. alpha: with the gate ``g_j = 1 - alpha_{j+1}`` the unnormalised weight of (i, j < i) is
 ``exp(s_ij) g_j``, smooth in alpha on all of [0, 1]. Backward therefore forms
@@ -38,9 +39,11 @@ from torch.autograd.function import once_differentiable
 
 from ._checks import check_gqa, check_kv, check_per_head, check_positive_int, work_dtype
 
-# exp(s - lse) is only large for entries whose gate is ~0 (there P = U g ~ 0 anyway); clamping the
-# exponent keeps them finite so that inf * 0 never appears.
+# Backward forms U = exp(s - lse), which is only large where the gate is ~0 (there P = U g ~ 0):
+# clamping the exponent keeps such entries finite, so inf * 0 never appears.
 _MAX_EXPONENT = 60.0
+# Finite stand-in for log(0) = -inf when the bias is folded into a matmul; exp() of it is exactly 0.
+_NEG_BIG = -1e30
 
 
 def dmc_attention(
@@ -50,7 +53,7 @@ def dmc_attention(
     alpha: torch.Tensor,
     scale: float | None = None,
     block: int = 128,
-    key_block: int = 1024,
+    key_block: int = 512,
 ) -> torch.Tensor:
     """DMC training attention with the Fig. 3 bias, without any n x n tensor.
 
@@ -61,9 +64,8 @@ def dmc_attention(
         alpha: accumulate *probabilities* ``[b, h_kv, n]`` in [0, 1] (not logits); the bias of key
             j is ``log(1 - alpha[..., j + 1])`` (-inf for alpha = 1). ``alpha[..., 0]`` is unused.
         scale: score scale, default ``1 / sqrt(d)``.
-        block: query rows per block.
-        key_block: key columns per online-softmax step (the diagonal step may be longer:
-            ``max(key_block, block)``).
+        block: query rows per block (also the size of the diagonal square).
+        key_block: key columns per online-softmax step over the keys before the block.
 
     Returns:
         ``out [b, h_q, n, d_v]`` in the dtype of ``q``; computed in float32 (float64 stays float64).
@@ -80,19 +82,19 @@ def dmc_attention(
     return _DMCAttentionFunction.apply(q, k_tilde, v_tilde, alpha, float(scale), block, key_block)
 
 
-def _key_ranges(i0: int, i1: int, key_block: int):
-    """Key column ranges visible to query rows [i0, i1): first the one holding the diagonal, then
-    earlier ranges going back to 0. Yields ``(is_diagonal_range, j0, j1)``."""
-    j0 = max(0, i1 - max(key_block, i1 - i0))
-    yield True, j0, i1
-    while j0 > 0:
-        j1, j0 = j0, max(0, j0 - key_block)
-        yield False, j0, j1
+def _past_ranges(i0: int, key_block: int):
+    """Key ranges ``(j0, j1)`` covering [0, i0) (strictly before query block [i0, i1)), in steps of
+    ``key_block`` going back from the block."""
+    j1 = i0
+    while j1 > 0:
+        j0 = max(0, j1 - key_block)
+        yield j0, j1
+        j1 = j0
 
 
 def _diagonal_range(per_key: torch.Tensor, i0: int, i1: int, j0: int, j1: int, on_diag: float, future: float):
-    """``[b, h_kv, i1-i0, j1-j0]`` of ``per_key[..., j]`` below the diagonal, ``on_diag`` on it,
-    ``future`` above it (rows i in [i0, i1), columns j in [j0, j1))."""
+    """``[..., i1-i0, j1-j0]``: ``per_key[..., j]`` below the diagonal, ``on_diag`` on it, ``future``
+    above it (rows i in [i0, i1), columns j in [j0, j1); ``per_key [..., n]``)."""
     dev = per_key.device
     i = torch.arange(i0, i1, device=dev)[:, None]
     j = torch.arange(j0, j1, device=dev)[None, :]
@@ -110,45 +112,51 @@ def _gate_and_bias(alpha: torch.Tensor):
 
 
 class _DMCAttentionFunction(torch.autograd.Function):
+    """Blocked attention on 3-D views ``[(b h_kv), rows, d]``; the G query heads of a KV head are
+    stacked along rows (``G * block`` rows per block).
+
+    Per query block [i0, i1): the diagonal square [i0, i1) x [i0, i1) carries the only 2-D bias; the
+    keys before i0 are visited in ranges of ``key_block`` with a per-column bias, folded into the
+    score matmul as an extra channel (``[q, 1] . [k, bias]``).
+    """
+
     @staticmethod
     def forward(ctx, q, k, v, alpha, scale, block, key_block):
         b, hq, n, d = q.shape
         hk, dv = k.shape[1], v.shape[-1]
-        G = hq // hk
+        G, BH = hq // hk, b * hk
         wd = work_dtype(q)
-        qs = (q.to(wd) * scale).view(b, hk, G, n, d)  # group-major: head j -> (j // G, j % G)
-        kw, vw = k.to(wd), v.to(wd)
-        _, bias = _gate_and_bias(alpha.to(wd))
-        out = torch.empty(b, hk, G, n, dv, dtype=wd, device=q.device)
-        lse = torch.empty(b, hk, G, n, dtype=wd, device=q.device)
+        qs = (q.to(wd) * scale).view(BH, G, n, d)  # head j -> (j // G, j % G)
+        kw, vw = k.to(wd).reshape(BH, n, d), v.to(wd).reshape(BH, n, dv)
+        _, bias = _gate_and_bias(alpha.to(wd).reshape(BH, n))
+        k_bias = torch.cat([kw, bias.clamp_min(_NEG_BIG).unsqueeze(-1)], dim=-1)
+        out = torch.empty(BH, G, n, dv, dtype=wd, device=q.device)
+        lse = torch.empty(BH, G, n, dtype=wd, device=q.device)
 
         for i0 in range(0, n, block):
             i1 = min(i0 + block, n)
             B = i1 - i0
-            qb = qs[:, :, :, i0:i1].reshape(b, hk, G * B, d)
-            m = l = acc = None
-            for diagonal, j0, j1 in _key_ranges(i0, i1, key_block):
-                s = qb @ kw[:, :, j0:j1].transpose(-1, -2)  # [b, hk, G*B, L]
-                if diagonal:
-                    bias_ij = _diagonal_range(bias, i0, i1, j0, j1, 0.0, -math.inf)
-                    s = s.view(b, hk, G, B, j1 - j0).add_(bias_ij.unsqueeze(2)).view(b, hk, G * B, j1 - j0)
-                else:
-                    s.add_(bias[:, :, None, j0:j1])
-                s_max = s.amax(-1, keepdim=True)
-                if m is None:  # diagonal range: every row has its finite diagonal entry
-                    m = s_max
-                    p = s.sub_(m).exp_()
-                    l = p.sum(-1, keepdim=True)
-                    acc = p @ vw[:, :, j0:j1]
-                else:  # m stays finite even if a row of this range is all -inf
-                    m_new = torch.maximum(m, s_max)
+            qb = qs[:, :, i0:i1].reshape(BH, G * B, d)
+            # Diagonal square first: every row sees its own state with bias 0, so the running max m
+            # is finite from here on and no row is ever all -inf.
+            s = (qb @ kw[:, i0:i1].transpose(1, 2)).view(BH, G, B, B)
+            s = s.add_(_diagonal_range(bias, i0, i1, i0, i1, 0.0, -math.inf).unsqueeze(1)).view(BH, G * B, B)
+            m = s.amax(-1, keepdim=True)
+            p = s.sub_(m).exp_()
+            l = p.sum(-1, keepdim=True)
+            acc = p @ vw[:, i0:i1]
+            if i0 > 0:
+                q_one = torch.cat([qb, qb.new_ones(BH, G * B, 1)], dim=-1)
+                for j0, j1 in _past_ranges(i0, key_block):
+                    s = q_one @ k_bias[:, j0:j1].transpose(1, 2)  # scores + log(1 - alpha_{j+1})
+                    m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                     corr = (m - m_new).exp_()
                     p = s.sub_(m_new).exp_()
-                    l = l.mul_(corr).add_(p.sum(-1, keepdim=True))
-                    acc = acc.mul_(corr).add_(p @ vw[:, :, j0:j1])
+                    l.mul_(corr).add_(p.sum(-1, keepdim=True))
+                    acc.mul_(corr).baddbmm_(p, vw[:, j0:j1])
                     m = m_new
-            out[:, :, :, i0:i1] = (acc / l).view(b, hk, G, B, dv)
-            lse[:, :, :, i0:i1] = (m + l.log()).view(b, hk, G, B)
+            out[:, :, i0:i1] = (acc / l).view(BH, G, B, dv)
+            lse[:, :, i0:i1] = (m + l.log()).view(BH, G, B)
 
         ctx.save_for_backward(q, k, v, alpha, out, lse)
         ctx.scale, ctx.block, ctx.key_block = scale, block, key_block
@@ -157,66 +165,77 @@ class _DMCAttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
+        """With ``U = exp(s - lse)``, ``P = U g`` and ``W = U (dP - D)``: ``dS = W g``,
+        ``dL/dg_j = sum_i W_ij``. Off the diagonal square g depends on the column only, so it is
+        applied to k and v (``dq += W (g k)``, ``dk += g (W^T q)``, ``dv += g (U^T dO)``) and no
+        P or dS is formed there."""
         q, k, v, alpha, out, lse = ctx.saved_tensors
         scale, block, key_block = ctx.scale, ctx.block, ctx.key_block
         b, hq, n, d = q.shape
         hk, dv = k.shape[1], v.shape[-1]
-        G = hq // hk
+        G, BH = hq // hk, b * hk
         wd = out.dtype
+        dev = q.device
         want_alpha = ctx.needs_input_grad[3]
 
-        qs = (q.to(wd) * scale).view(b, hk, G, n, d)
-        kw, vw = k.to(wd), v.to(wd)
-        gate, _ = _gate_and_bias(alpha.to(wd))
-        do = grad_out.to(wd).reshape(b, hk, G, n, dv)
-        delta = (do * out).sum(-1)  # D_i = <dO_i, O_i>, [b, hk, G, n]
+        qs = (q.to(wd) * scale).view(BH, G, n, d)
+        kw, vw = k.to(wd).reshape(BH, n, d), v.to(wd).reshape(BH, n, dv)
+        gate, _ = _gate_and_bias(alpha.to(wd).reshape(BH, n))
+        do = grad_out.to(wd).reshape(BH, G, n, dv)
+        delta = (do * out).sum(-1)  # D_i = <dO_i, O_i>
+        ones = kw.new_ones(BH, n, 1)
+        k_one = torch.cat([kw, ones], dim=-1)  # [q, -lse] . [k, 1] = s - lse
+        v_one = torch.cat([vw, ones], dim=-1)  # [dO, -D] . [v, 1] = dP - D
+        gk = gate.unsqueeze(-1) * kw
 
-        dq = torch.empty(b, hk, G, n, d, dtype=wd, device=q.device)
-        dk = torch.zeros(b, hk, n, d, dtype=wd, device=q.device)
-        dvv = torch.zeros(b, hk, n, dv, dtype=wd, device=q.device)
-        dgate = torch.zeros(b, hk, n, dtype=wd, device=q.device)
+        dq = torch.empty(BH, G, n, d, dtype=wd, device=dev)
+        dk = torch.zeros(BH, n, d, dtype=wd, device=dev)
+        dvv = torch.zeros(BH, n, dv, dtype=wd, device=dev)
+        dk_past = torch.zeros_like(dk)  # sum_i W_ij q_i over i in later blocks (times g_j at the end)
+        dv_past = torch.zeros_like(dvv)  # sum_i U_ij dO_i over i in later blocks (times g_j at the end)
+        dgate = torch.zeros(BH, n, dtype=wd, device=dev)
 
         for i0 in range(0, n, block):
             i1 = min(i0 + block, n)
             B = i1 - i0
-            qb = qs[:, :, :, i0:i1].reshape(b, hk, G * B, d)
-            dob = do[:, :, :, i0:i1].reshape(b, hk, G * B, dv)
-            lse_b = lse[:, :, :, i0:i1].reshape(b, hk, G * B, 1)
-            delta_b = delta[:, :, :, i0:i1].reshape(b, hk, G * B, 1)
-            dqb = torch.zeros(b, hk, G * B, d, dtype=wd, device=q.device)
-            for diagonal, j0, j1 in _key_ranges(i0, i1, key_block):
-                L = j1 - j0
-                kr, vr = kw[:, :, j0:j1], vw[:, :, j0:j1]
-                u = (qb @ kr.transpose(-1, -2)).sub_(lse_b).clamp_max_(_MAX_EXPONENT).exp_()  # U = exp(s - lse)
-                if diagonal:
-                    g = _diagonal_range(gate, i0, i1, j0, j1, 1.0, 0.0).unsqueeze(2)  # [b, hk, 1, B, L]
-                    p = (u.view(b, hk, G, B, L) * g).view(b, hk, G * B, L)
-                else:
-                    g = gate[:, :, None, j0:j1]  # [b, hk, 1, L]
-                    p = u * g
-                dvv[:, :, j0:j1] += p.transpose(-1, -2) @ dob
-                w = (dob @ vr.transpose(-1, -2)).sub_(delta_b).mul_(u)  # U (dP - D)
-                if diagonal:
-                    w = w.view(b, hk, G, B, L)
-                    if want_alpha:
-                        below = torch.arange(j0, j1, device=q.device)[None, :] < torch.arange(i0, i1, device=q.device)[:, None]
-                        dgate[:, :, j0:j1] += (w.sum(2) * below).sum(-2)
-                    ds = w.mul_(g).view(b, hk, G * B, L)  # dS = P (dP - D)
-                else:
-                    if want_alpha:
-                        dgate[:, :, j0:j1] += w.sum(-2)
-                    ds = w.mul_(g)
-                dqb += ds @ kr
-                dk[:, :, j0:j1] += ds.transpose(-1, -2) @ qb
-            dq[:, :, :, i0:i1] = dqb.view(b, hk, G, B, d)
+            qb = qs[:, :, i0:i1].reshape(BH, G * B, d)
+            dob = do[:, :, i0:i1].reshape(BH, G * B, dv)
+            q_lse = torch.cat([qb, -lse[:, :, i0:i1].reshape(BH, G * B, 1)], dim=-1)
+            do_delta = torch.cat([dob, -delta[:, :, i0:i1].reshape(BH, G * B, 1)], dim=-1)
 
+            # Diagonal square: gate g_j below the diagonal, 1 on it, 0 above.
+            g = _diagonal_range(gate, i0, i1, i0, i1, 1.0, 0.0).unsqueeze(1)  # [BH, 1, B, B]
+            u = (q_lse @ k_one[:, i0:i1].transpose(1, 2)).clamp_max_(_MAX_EXPONENT).exp_().view(BH, G, B, B)
+            p = (u * g).view(BH, G * B, B)
+            dvv[:, i0:i1] += p.transpose(1, 2) @ dob
+            w = (do_delta @ v_one[:, i0:i1].transpose(1, 2)).view(BH, G, B, B).mul_(u)
+            if want_alpha:
+                below = torch.ones(B, B, dtype=torch.bool, device=dev).tril_(-1)
+                dgate[:, i0:i1] += (w.sum(1) * below).sum(-2)
+            ds = w.mul_(g).view(BH, G * B, B)
+            dqb = ds @ kw[:, i0:i1]
+            dk[:, i0:i1] += ds.transpose(1, 2) @ qb
+
+            # Earlier keys, per-column gates.
+            for j0, j1 in _past_ranges(i0, key_block):
+                u = (q_lse @ k_one[:, j0:j1].transpose(1, 2)).clamp_max_(_MAX_EXPONENT).exp_()
+                dv_past[:, j0:j1].baddbmm_(u.transpose(1, 2), dob)
+                w = (do_delta @ v_one[:, j0:j1].transpose(1, 2)).mul_(u)
+                if want_alpha:
+                    dgate[:, j0:j1] += w.sum(-2)
+                dqb.baddbmm_(w, gk[:, j0:j1])
+                dk_past[:, j0:j1].baddbmm_(w.transpose(1, 2), qb)
+            dq[:, :, i0:i1] = dqb.view(BH, G, B, d)
+
+        dk.addcmul_(gate.unsqueeze(-1), dk_past)
+        dvv.addcmul_(gate.unsqueeze(-1), dv_past)
         dq = dq.mul_(scale).view(b, hq, n, d).to(q.dtype)
         dalpha = None
         if want_alpha:
             dalpha = torch.zeros_like(dgate)
-            dalpha[..., 1:] = -dgate[..., :-1]  # gate_j = 1 - alpha_{j+1}
-            dalpha = dalpha.to(alpha.dtype)
-        return dq, dk.to(k.dtype), dvv.to(v.dtype), dalpha, None, None, None
+            dalpha[:, 1:] = -dgate[:, :-1]  # gate_j = 1 - alpha_{j+1}
+            dalpha = dalpha.view(alpha.shape).to(alpha.dtype)
+        return dq, dk.view(k.shape).to(k.dtype), dvv.view(v.shape).to(v.dtype), dalpha, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
