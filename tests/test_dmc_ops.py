@@ -1,6 +1,7 @@
 """DMC ops: partial accumulation (Eq. 9), training attention (Fig. 3), inference simulation (Alg. 1)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -52,16 +53,20 @@ def _longest_segment(alpha):
 # ------------------------------------------------------------------------------------------------
 
 
+IMPLS = ["fused_cpu", "blocked"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_hard_training_equals_inference_simulation(G, seed):
+def test_hard_training_equals_inference_simulation(G, seed, impl):
     q, k, v, omega, gen = _inputs(b=2, hk=2, G=G, n=29, d=8, dv=6, seed=seed)
     alpha = _hard_alpha(k.shape[:3], gen)
     alpha[..., 0] = 1  # ignored: the first token always appends
     expected, lengths = simulate_dmc_inference(q, k, v, alpha, omega)
 
     k_t, v_t = partial_accumulation(k, v, alpha, omega, mode="exact", chunk=8)
-    out = dmc_attention(q, k_t, v_t, alpha, block=8, key_block=8)
+    out = dmc_attention(q, k_t, v_t, alpha, block=8, key_block=8, impl=impl)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
     a = alpha.clone()
@@ -79,7 +84,7 @@ def test_window_mode_matches_inference_iff_segments_fit():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
     too_long = fits.clone()
-    too_long[0, 0, 10 : 10 + w + 2] = 1  # one segment of w + 3 tokens
+    too_long[0, 0, 10 : 10 + w + 2] = 1  # a segment of at least w + 3 tokens
     expected, _ = simulate_dmc_inference(q, k, v, too_long, omega)
     out = dmc_attention(q, *partial_accumulation(k, v, too_long, omega, mode="window", window=w), too_long)
     assert (out - expected).abs().max() > 1e-3
@@ -146,7 +151,7 @@ def _grads(out, inputs, seed=7):
 
 @pytest.mark.parametrize(
     "mode, kwargs",
-    [("exact", {"chunk": 64}), ("exact", {"chunk": 4}), ("exact", {"chunk": 2}), ("window", {"window": 1}),
+    [("exact", {"chunk": 32}), ("exact", {"chunk": 4}), ("exact", {"chunk": 2}), ("window", {"window": 1}),
      ("window", {"window": 5}), ("window", {"window": 100})],
 )
 @pytest.mark.parametrize("alpha_kind", ["soft", "hard", "near_one"])
@@ -176,8 +181,36 @@ def test_partial_accumulation_fp32_and_dtypes():
     got = partial_accumulation(k, v, alpha, omega, chunk=16)  # three levels of chunking
     assert got[0].dtype == torch.float32
     torch.testing.assert_close(got[0].double(), ref[0], atol=1e-5, rtol=1e-5)
-    bf = partial_accumulation(k.bfloat16(), v.bfloat16(), alpha, omega)
-    assert bf[0].dtype == torch.bfloat16 and bf[1].dtype == torch.bfloat16
+    for mode in ("exact", "window"):
+        inputs = [t.bfloat16().requires_grad_() for t in (k, v, alpha, omega)]
+        bf = partial_accumulation(*inputs, mode=mode)
+        assert bf[0].dtype == torch.bfloat16 and bf[1].dtype == torch.bfloat16
+        (bf[0].float().sum() + bf[1].float().sum()).backward()
+        assert all(t.grad.dtype == torch.bfloat16 for t in inputs)
+        torch.testing.assert_close(bf[0].float(), got[0], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("n, chunk", [(1, 4), (7, 8), (37, 4), (100, 3), (64, 8), (300, 16)])
+def test_chunked_scans_match_loops(n, chunk):
+    """The exact-mode scan and its adjoint (several levels of chunking, hard 0 / 1 gates included)."""
+    from dmc_train.methods.dmc_ops.accumulation import _linear_scan, _linear_scan_reverse
+
+    gen = torch.Generator().manual_seed(n)
+    a = torch.rand(2, n, generator=gen, dtype=torch.float64)
+    a[0, ::chunk] = 0  # hard appends on chunk boundaries
+    a[1, ::5] = 1
+    x = torch.randn(2, n, 3, generator=gen, dtype=torch.float64)
+    fwd, rev = torch.zeros_like(x), torch.zeros_like(x)
+    h = torch.zeros(2, 3, dtype=torch.float64)
+    for i in range(n):  # h_i = a_i h_{i-1} + x_i
+        h = a[:, i, None] * h + x[:, i]
+        fwd[:, i] = h
+    g = torch.zeros(2, 3, dtype=torch.float64)
+    for i in reversed(range(n)):  # g_i = x_i + a_{i+1} g_{i+1}
+        g = x[:, i] + (a[:, i + 1, None] * g if i + 1 < n else 0)
+        rev[:, i] = g
+    torch.testing.assert_close(_linear_scan(a, x, chunk), fwd)
+    torch.testing.assert_close(_linear_scan_reverse(a, x, chunk), rev)
 
 
 def test_partial_accumulation_gradcheck():
@@ -205,7 +238,8 @@ def test_partial_accumulation_gradcheck():
         (25, 2, 8, 8, "hard"),  # -inf bias entries
     ],
 )
-def test_dmc_attention_matches_dense(n, G, block, key_block, alpha_kind):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmc_attention_matches_dense(n, G, block, key_block, alpha_kind, impl):
     q, k, v, _, gen = _inputs(b=2, hk=2, G=G, n=n, d=8, dv=5, seed=11)
     shape = k.shape[:3]
     alpha = {
@@ -215,7 +249,7 @@ def test_dmc_attention_matches_dense(n, G, block, key_block, alpha_kind):
         "hard": lambda: _hard_alpha(shape, gen),
     }[alpha_kind]()
     inputs = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
-    out = dmc_attention(*inputs, block=block, key_block=key_block)
+    out = dmc_attention(*inputs, block=block, key_block=key_block, impl=impl)
     ref = dense_dmc_attention(*inputs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if alpha_kind == "append":
@@ -230,13 +264,14 @@ def test_dmc_attention_matches_dense(n, G, block, key_block, alpha_kind):
     assert torch.isfinite(got_grads[3]).all()
 
 
-def test_dmc_attention_alpha_grad_at_one():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmc_attention_alpha_grad_at_one(impl):
     """At hard alpha = 1 the gradient is the one-sided derivative (finite), = the limit alpha -> 1."""
     q, k, v, _, gen = _inputs(b=1, hk=2, G=2, n=19, d=4, dtype=torch.float64, seed=12)
     alpha = _hard_alpha(k.shape[:3], gen).double()
     hard = alpha.clone().requires_grad_()
     near = (alpha * (1 - 1e-10)).requires_grad_()
-    out = dmc_attention(q, k, v, hard, block=4, key_block=8)
+    out = dmc_attention(q, k, v, hard, block=4, key_block=8, impl=impl)
     ref = dense_dmc_attention(q, k, v, near)
     torch.testing.assert_close(out, ref, atol=1e-8, rtol=0)
     got, = _grads([out], [hard])
@@ -249,15 +284,60 @@ def test_dmc_attention_gradcheck():
     q, k, v, _, gen = _inputs(b=1, hk=2, G=2, n=6, d=3, dv=2, dtype=torch.float64, seed=13)
     alpha = torch.rand(k.shape[:3], generator=gen, dtype=torch.float64) * 0.9 + 0.05
     inputs = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
-    assert torch.autograd.gradcheck(lambda *x: dmc_attention(*x, block=2, key_block=2), inputs)
-    assert torch.autograd.gradcheck(lambda *x: dmc_attention(*x, scale=0.7, block=4, key_block=1), inputs)
+    for kwargs in (
+        {"block": 2, "key_block": 2, "impl": "blocked"},
+        {"scale": 0.7, "block": 4, "key_block": 1, "impl": "blocked"},
+        {"impl": "fused_cpu"},
+        {"scale": 0.7, "free_channel": 1, "impl": "fused_cpu"},
+    ):
+        assert torch.autograd.gradcheck(lambda *x: dmc_attention(*x, **kwargs), inputs), kwargs
 
 
-def test_dmc_attention_bf16_returns_input_dtype():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmc_attention_free_channel_is_ignored(impl):
+    """free_channel (DMC's decision channel) takes no part in attention, whatever it holds."""
+    q, k, v, _, gen = _inputs(b=2, hk=2, G=2, n=21, d=8, seed=17)
+    alpha = torch.rand(k.shape[:3], generator=gen)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+    out = dmc_attention(*inputs, free_channel=7, block=8, key_block=8, impl=impl)
+    zeroed = [inputs[0].index_fill(-1, torch.tensor([7]), 0), inputs[1].index_fill(-1, torch.tensor([7]), 0)]
+    ref = dense_dmc_attention(*zeroed, *inputs[2:])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    got_grads, ref_grads = _grads([out], inputs), _grads([ref], inputs)
+    for name, a, b in zip("q k v alpha".split(), got_grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m: f"d/d{name}: {m}")
+    assert (got_grads[0][..., 7] == 0).all() and (got_grads[1][..., 7] == 0).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmc_attention_extreme_scores_stay_finite(impl):
+    """Score gaps of hundreds of nats, also on invisible keys (alpha = 1): no inf / NaN anywhere."""
+    q, k, v, _, gen = _inputs(b=1, hk=1, n=12, d=4, dtype=torch.float32, seed=18)
+    k[0, 0, 3] = 0
+    k[0, 0, 3, 0] = 40.0  # key 3 outscores everything by ~q[0] * 40 * scale
+    q[0, 0, :, 0] = 30.0
+    alpha = torch.rand(k.shape[:3], generator=gen) * 0.5
+    alpha[0, 0, 4] = 1.0  # ... and is invisible from query 4 on
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+    out = dmc_attention(*inputs, scale=1.0, block=4, key_block=4, impl=impl)
+    ref = dense_dmc_attention(*inputs, scale=1.0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    got_grads, ref_grads = _grads([out], inputs), _grads([ref], inputs)
+    for a in got_grads:
+        assert torch.isfinite(a).all()
+    for name, a, b in zip("q k v".split(), got_grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4, msg=lambda m: f"d/d{name}: {m}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmc_attention_bf16_returns_input_dtype(impl):
     q, k, v, _, gen = _inputs(b=1, hk=1, n=9, d=8, seed=14)
     alpha = torch.rand(k.shape[:3], generator=gen)
-    out = dmc_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), alpha)
+    inputs = [t.bfloat16().requires_grad_() for t in (q, k, v, alpha)]
+    out = dmc_attention(*inputs, impl=impl)
     assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 for t in inputs)
     torch.testing.assert_close(out.float(), dense_dmc_attention(q, k, v, alpha), atol=3e-2, rtol=3e-2)
 
 
@@ -276,21 +356,59 @@ class _MaxNumel(TorchDispatchMode):
         return result
 
 
-def test_dmc_attention_never_allocates_n_by_n():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmc_attention_never_allocates_n_by_n(impl):
+    """No tensor created by any aten op (Python-visible) has n*n/4 elements or more."""
     n, d = 2048, 16
     q, k, v, _, gen = _inputs(b=1, hk=1, n=n, d=d, seed=15)
     alpha = torch.rand(k.shape[:3], generator=gen)
     inputs = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
     with _MaxNumel() as mode:
-        out = dmc_attention(*inputs)
+        out = dmc_attention(*inputs, impl=impl)
         out.sum().backward()
     assert all(t.grad is not None for t in inputs)
     assert mode.max_numel < n * n / 4, mode.max_numel
-    # The accumulation is O(n (d + chunk)) as well.
-    with _MaxNumel() as mode:
+    with _MaxNumel() as mode:  # the accumulation is O(n (d + chunk)) as well
         k_t, v_t = partial_accumulation(*inputs[1:3], inputs[3], torch.ones_like(alpha))
         (k_t.sum() + v_t.sum()).backward()
     assert mode.max_numel < n * n / 4, mode.max_numel
+
+
+def _peak_rss_growth(fn) -> float:
+    """Bytes by which the resident set peaks above its level before ``fn()`` (Linux: VmHWM reset)."""
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc/self/clear_refs")
+def test_dmc_attention_peak_memory_is_linear():
+    """Includes allocations inside the fused kernels, which a dispatch mode does not see. At n = 4096
+    an n x n float32 tensor is 64 MiB; forward + backward must stay far below that."""
+    n, d = 4096, 16
+    q, k, v, _, gen = _inputs(b=1, hk=1, n=n, d=d, seed=19)
+    alpha = torch.rand(k.shape[:3], generator=gen)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, alpha)]
+    assert _peak_rss_growth(lambda: torch.ones(n, n).add_(1)) > 0.9 * n * n * 4  # the probe sees n x n
+    for impl in IMPLS:
+        for t in inputs:
+            t.grad = None
+
+        def step():
+            dmc_attention(*inputs, impl=impl).sum().backward()
+
+        step()  # warm up thread pools and caches
+        for t in inputs:
+            t.grad = None
+        growth = _peak_rss_growth(step)
+        assert growth < n * n * 4 / 4, (impl, growth)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,6 +440,10 @@ def test_invalid_inputs_raise():
         dmc_attention(q, k, v, alpha, block=0)
     with pytest.raises(ValueError, match="layout"):
         dmc_attention(q[0], k, v, alpha)
+    with pytest.raises(ValueError, match="free_channel"):
+        dmc_attention(q, k, v, alpha, free_channel=4)
+    with pytest.raises(ValueError, match="impl must be one of auto, fused_cpu, blocked"):
+        dmc_attention(q, k, v, alpha, impl="flex")
     with pytest.raises(ValueError, match="only 0 and 1"):
         simulate_dmc_inference(q, k, v, alpha + 0.5, omega)
     with pytest.raises(ValueError, match="multiple of KV heads"):

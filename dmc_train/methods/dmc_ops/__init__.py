@@ -9,16 +9,17 @@ head ``j // G``.
 
 - :func:`partial_accumulation` (Eq. 9, ``exact`` or ``window``) and
   :func:`reference_partial_accumulation` (token loop).
-- :func:`dmc_attention` (Fig. 3 bias, O(n) memory, custom autograd) and
-  :func:`dense_dmc_attention` (full n x n bias).
+- :func:`dmc_attention` (Fig. 3 bias, O(n) memory, custom autograd; fused CPU kernels or a
+  portable blocked version) and :func:`dense_dmc_attention` (full n x n bias).
 - :func:`simulate_dmc_inference` / :class:`DMCHeadCache` (Algorithm 1 token by token).
 """
 
 from .accumulation import MODES, partial_accumulation, reference_partial_accumulation
-from .attention import dense_dmc_attention, dmc_attention, dmc_attention_bias
+from .attention import IMPLS, dense_dmc_attention, dmc_attention, dmc_attention_bias
 from .inference import DMCHeadCache, simulate_dmc_inference
 
 __all__ = [
+    "IMPLS",
     "MODES",
     "DMCHeadCache",
     "dense_dmc_attention",

@@ -14,8 +14,8 @@ so both modes below run a single scan on that concatenation.
   C tokens ``h = D x`` with the decay matrix ``D[i, j] = prod_{m=j+1}^{i} a_m`` built by a cumulative
   *product* (no logarithms, so a_m = 0 and a_m = 1 are exact and NaN-free); the state entering each
   chunk comes from the same scan applied recursively to the chunk ends. A custom autograd function
-  saves only ``a`` and ``h`` and runs the adjoint (the same scan backwards in time) in backward.
-  Memory O(n (d + C)) per head.
+  saves only inputs, outputs and z, and runs the adjoint (the same scan backwards in time) in
+  backward. Memory O(n (d + C)) per head.
 - ``window``: the paper's approximation (Sec. 3.3): position i runs the recurrence only over its
   last ``w`` tokens, ``h_i = sum_{j=max(0, i-w+1)}^{i} (prod_{m=j+1}^{i} a_m) x_j``; ``w`` shifted
   multiply-adds under plain autograd.
@@ -46,7 +46,7 @@ def partial_accumulation(
     omega: torch.Tensor,
     mode: str = "exact",
     window: int = 12,
-    chunk: int = 64,
+    chunk: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partially accumulated keys and values of Eq. 9.
 
@@ -75,19 +75,16 @@ def partial_accumulation(
 
 
 def _partial_accumulation_torch(k, v, alpha, omega, mode, window, chunk):
+    if mode == "exact":
+        return _ExactAccumulation.apply(k, v, alpha, omega, chunk)
     wd = work_dtype(k)
     a = F.pad(alpha[..., 1:].to(wd), (1, 0))  # alpha_0 := 0, so d/d alpha_0 = 0 as well
     w = omega.to(wd).unsqueeze(-1)
     x = torch.cat([w * k.to(wd), w * v.to(wd), w], dim=-1)  # [b, h, n, d + d_v + 1]
-    if mode == "exact":
-        h = _ScanFunction.apply(a, x, chunk)
-    else:
-        h = _windowed_scan(a, x, window)
+    h = _windowed_scan(a, x, window)
     d_k, d_v = k.shape[-1], v.shape[-1]
     z = h[..., -1:]
-    k_tilde = h[..., :d_k] / z
-    v_tilde = h[..., d_k : d_k + d_v] / z
-    return k_tilde.to(k.dtype), v_tilde.to(v.dtype)
+    return (h[..., :d_k] / z).to(k.dtype), (h[..., d_k : d_k + d_v] / z).to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,72 +92,137 @@ def _partial_accumulation_torch(k, v, alpha, omega, mode, window, chunk):
 # ---------------------------------------------------------------------------------------------
 
 
-def _decay_matrix(a: torch.Tensor) -> torch.Tensor:
-    """``a [..., C] -> D [..., C, C]`` with ``D[i, j] = prod_{m=j+1}^{i} a_m`` for i >= j, else 0.
+def _decay_matrix_t(a: torch.Tensor) -> torch.Tensor:
+    """``a [..., C] -> D^T [..., C, C]`` where ``D[i, j] = prod_{m=j+1}^{i} a_m`` for i >= j, else 0.
 
-    Built as a cumulative product along i of ``a_i`` masked to 1 for ``i <= j``: exact for a in [0, 1]
-    including hard zeros (no log 0) and ones.
+    Row j of the result is column j of D: the cumulative product along i of ``a_i`` masked to 1 for
+    ``i <= j`` (runs along the contiguous last dim). Exact for a in [0, 1] including hard zeros (no
+    log 0) and ones.
     """
     C = a.shape[-1]
     idx = torch.arange(C, device=a.device)
-    after = idx[None, :] > idx[:, None]  # [j, i]: i > j
-    # Row j of dt holds column j of D, so the cumprod runs along the contiguous last dim.
-    dt = torch.where(after, a.unsqueeze(-2), torch.ones((), dtype=a.dtype, device=a.device))
-    dt = torch.cumprod(dt, dim=-1)
-    dt = dt.masked_fill(idx[None, :] < idx[:, None], 0.0)  # i < j: future, no contribution
-    return dt.transpose(-1, -2)
+    dt = torch.where(idx[None, :] > idx[:, None], a.unsqueeze(-2), torch.ones((), dtype=a.dtype, device=a.device))
+    return dt.cumprod_(dim=-1).masked_fill_(idx[None, :] < idx[:, None], 0.0)  # i < j: no contribution
+
+
+def _chunked(a: torch.Tensor, x: torch.Tensor, chunk: int):
+    """Pad ``a [..., n]`` (with 1) and ``x [..., n, D]`` (with 0) to whole chunks and split them."""
+    n_chunks = -(-a.shape[-1] // chunk)
+    pad = n_chunks * chunk - a.shape[-1]
+    if pad:
+        a = F.pad(a, (0, pad), value=1.0)
+        x = F.pad(x, (0, 0, 0, pad))
+    return a.unflatten(-1, (n_chunks, chunk)), x.unflatten(-2, (n_chunks, chunk))
 
 
 def _linear_scan(a: torch.Tensor, x: torch.Tensor, chunk: int) -> torch.Tensor:
     """``h_i = a_i h_{i-1} + x_i`` with ``h_{-1} = 0``.  ``a [..., n]``, ``x [..., n, D]`` -> ``h [..., n, D]``.
 
-    No autograd (used inside ``_ScanFunction``). Within chunks of ``chunk`` tokens the scan is a
+    No autograd (used inside ``_ExactAccumulation``). Within chunks of ``chunk`` tokens the scan is a
     ``[C, C] @ [C, D]`` matmul from a zero state; the true state entering each chunk is obtained by
     scanning the chunk-end states (gate = product of the chunk's gates) with this same function.
     """
     n = a.shape[-1]
     if n <= chunk:
-        return _decay_matrix(a) @ x
-    n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n
-    if pad:
-        a = F.pad(a, (0, pad), value=1.0)
-        x = F.pad(x, (0, 0, 0, pad))
-    a_c = a.unflatten(-1, (n_chunks, chunk))  # [..., nc, C]
-    x_c = x.unflatten(-2, (n_chunks, chunk))  # [..., nc, C, D]
-    h = _decay_matrix(a_c) @ x_c  # scan inside each chunk, zero entering state
+        return _decay_matrix_t(a).transpose(-1, -2) @ x
+    a_c, x_c = _chunked(a, x, chunk)  # [..., nc, C], [..., nc, C, D]
+    h = _decay_matrix_t(a_c).transpose(-1, -2) @ x_c  # scan inside each chunk, zero entering state
     prefix = torch.cumprod(a_c, dim=-1)  # prod of gates from the chunk start to i (inclusive)
     ends = _linear_scan(prefix[..., -1], h[..., -1, :], chunk)  # true state at each chunk end
     carry = F.pad(ends[..., :-1, :], (0, 0, 1, 0))  # state entering each chunk
-    h.add_(prefix.unsqueeze(-1) * carry.unsqueeze(-2))
+    h.addcmul_(prefix.unsqueeze(-1), carry.unsqueeze(-2))
     return h.flatten(-3, -2)[..., :n, :]
 
 
-class _ScanFunction(torch.autograd.Function):
-    """Autograd for ``h = _linear_scan(a, x)`` saving only ``a`` and ``h``.
+def _linear_scan_reverse(a: torch.Tensor, y: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The adjoint of :func:`_linear_scan`: ``g_i = y_i + a_{i+1} g_{i+1}`` with ``g_n = 0``.
 
-    Adjoint: ``g_i = dh_i + a_{i+1} g_{i+1}`` (the same scan run backwards in time), then
-    ``dx_i = g_i`` and ``da_i = <g_i, h_{i-1}>``. Exact for a in [0, 1] including 0 and 1.
+    Same layouts. Inside a chunk ``g = D^T y`` with the same decay matrix; the value at each chunk
+    start is a reverse scan over chunks (gate linking chunk c to c+1: ``prod_{m=s_c+1}^{s_{c+1}} a_m``).
+    """
+    n = a.shape[-1]
+    if n <= chunk:
+        return _decay_matrix_t(a) @ y
+    a_c, y_c = _chunked(a, y, chunk)
+    g = _decay_matrix_t(a_c) @ y_c  # inside each chunk, zero state after it
+    suffix = F.pad(a_c[..., 1:].flip(-1).cumprod(-1).flip(-1), (0, 1), value=1.0)  # prod_{m=i+1}^{end} a_m
+    next_gate = F.pad(a_c[..., 1:, 0], (0, 1))  # a at the first token of the next chunk
+    link = suffix[..., :-1, 0] * next_gate[..., :-1]
+    starts = _linear_scan_reverse(F.pad(link, (1, 0)), g[..., 0, :], chunk)  # true g at chunk starts
+    carry = F.pad(starts[..., 1:, :], (0, 0, 0, 1))  # g at the start of the next chunk
+    g.addcmul_((suffix * next_gate.unsqueeze(-1)).unsqueeze(-1), carry.unsqueeze(-2))
+    return g.flatten(-3, -2)[..., :n, :]
+
+
+class _ExactAccumulation(torch.autograd.Function):
+    """``(k, v, alpha, omega) -> (k~, v~)`` for ``mode="exact"``, saving only the inputs, the outputs
+    (which attention keeps anyway) and z.
+
+    Forward: ``h = scan(a, x)`` on ``x = [w k, w v, w]``, ``k~ = h_k / z``, ``v~ = h_v / z``.
+    Backward: ``dh = [dk~ / z, dv~ / z, -(<dk~, k~> + <dv~, v~>) / z]``; the adjoint
+    ``g_i = dh_i + a_{i+1} g_{i+1}`` is the same scan run backwards in time; then ``dx = g``,
+    ``da_i = <g_i, h_{i-1}>`` with ``h = z [k~, v~, 1]``, and ``dk = w g_k``, ``dv = w g_v``,
+    ``dw = <g, [k, v, 1]>``. Exact for alpha in [0, 1] including 0 and 1.
     """
 
     @staticmethod
-    def forward(ctx, a, x, chunk):
+    def forward(ctx, k, v, alpha, omega, chunk):
+        wd = work_dtype(k)
+        d_k, d_v = k.shape[-1], v.shape[-1]
+        a = alpha.to(wd, copy=True)
+        a[..., 0] = 0  # the first token always appends
+        w = omega.to(wd)
+        x = torch.empty(*k.shape[:-1], d_k + d_v + 1, dtype=wd, device=k.device)
+        torch.mul(k, w.unsqueeze(-1), out=x[..., :d_k])
+        torch.mul(v, w.unsqueeze(-1), out=x[..., d_k:-1])
+        x[..., -1] = w
         h = _linear_scan(a, x, chunk)
-        ctx.save_for_backward(a, h)
-        ctx.chunk = chunk
-        return h
+        del x
+        z = h[..., -1].clone()
+        # Contiguous outputs in the input dtypes; saved as returned, so they are shared with whatever
+        # else keeps them (attention saves k~, v~ too).
+        k_tilde = (h[..., :d_k] / z.unsqueeze(-1)).to(k.dtype)
+        v_tilde = (h[..., d_k:-1] / z.unsqueeze(-1)).to(v.dtype)
+        del h
+        ctx.save_for_backward(k, v, a, w, k_tilde, v_tilde, z)
+        ctx.chunk, ctx.alpha_dtype, ctx.omega_dtype = chunk, alpha.dtype, omega.dtype
+        return k_tilde, v_tilde
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dh):
-        a, h = ctx.saved_tensors
-        a_next = F.pad(a[..., 1:], (0, 1))  # a_{i+1}; nothing after the last token
-        g = _linear_scan(a_next.flip(-1), dh.flip(-2), ctx.chunk).flip(-2)
-        da = None
+    def backward(ctx, dk_tilde, dv_tilde):
+        k, v, a, w, k_tilde, v_tilde, z = ctx.saved_tensors
+        d_k, d_v = k.shape[-1], v.shape[-1]
+        wd = z.dtype
+        k_tilde, v_tilde = k_tilde.to(wd), v_tilde.to(wd)
+        dk_tilde = torch.zeros_like(k_tilde) if dk_tilde is None else dk_tilde.to(wd)
+        dv_tilde = torch.zeros_like(v_tilde) if dv_tilde is None else dv_tilde.to(wd)
+        inv_z = z.reciprocal().unsqueeze(-1)
+        dh = torch.empty(*z.shape, d_k + d_v + 1, dtype=wd, device=z.device)
+        torch.mul(dk_tilde, inv_z, out=dh[..., :d_k])
+        torch.mul(dv_tilde, inv_z, out=dh[..., d_k:-1])
+        dh[..., -1] = -((dk_tilde * k_tilde).sum(-1) + (dv_tilde * v_tilde).sum(-1)) * inv_z.squeeze(-1)
+
+        g = _linear_scan_reverse(a, dh, ctx.chunk)
+        del dh
+        g_k, g_v, g_z = g[..., :d_k], g[..., d_k:-1], g[..., -1]
+
+        dalpha = dk = dv = domega = None
+        if ctx.needs_input_grad[2]:  # da_i = z_{i-1} (<g_k,i, k~_{i-1}> + <g_v,i, v~_{i-1}> + g_z,i)
+            dalpha = torch.zeros_like(a)
+            dalpha[..., 1:] = z[..., :-1] * (
+                (g_k[..., 1:, :] * k_tilde[..., :-1, :]).sum(-1)
+                + (g_v[..., 1:, :] * v_tilde[..., :-1, :]).sum(-1)
+                + g_z[..., 1:]
+            )
+            dalpha = dalpha.to(ctx.alpha_dtype)
         if ctx.needs_input_grad[0]:
-            da = torch.zeros_like(a)
-            da[..., 1:] = (g[..., 1:, :] * h[..., :-1, :]).sum(-1)
-        return da, g, None
+            dk = (g_k * w.unsqueeze(-1)).to(k.dtype)
+        if ctx.needs_input_grad[1]:
+            dv = (g_v * w.unsqueeze(-1)).to(v.dtype)
+        if ctx.needs_input_grad[3]:
+            domega = ((g_k * k).sum(-1) + (g_v * v).sum(-1) + g_z).to(ctx.omega_dtype)
+        return dk, dv, dalpha, domega, None
 
 
 # ---------------------------------------------------------------------------------------------

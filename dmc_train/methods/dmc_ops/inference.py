@@ -61,7 +61,9 @@ def simulate_dmc_inference(
     scale: float | None = None,
     return_caches: bool = False,
 ):
-    """Run Algorithm 1 token by token and attend each query over the current cache (module docstring).
+    """Run Algorithm 1 token by token; query t attends (softmax, ``scale``) over the cache *after*
+    token t's update: the closed slots (states j < t with ``alpha_{j+1} = 0``) plus the open slot
+    (t's own running segment), i.e. the training visibility of Fig. 3.
 
     Args:
         q: ``[b, h_q, n, d]``; query head j reads KV head ``j // (h_q // h_kv)``.
