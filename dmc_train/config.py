@@ -109,7 +109,25 @@ class LoggingConfig:
 
 @dataclass
 class MethodConfig:
-    name: str = "none"
+    name: str = "none"  # none | dmc | fixed_pooling (registered in dmc_train/methods/)
+
+
+@dataclass
+class DMCConfig:
+    """DMC retrofitting (METHODS.md §1); used by ``method.name=dmc`` (and ``fixed_pooling``)."""
+
+    target_cr: float = 2.0  # compression ratio reached at the end of the ramp (>= 1)
+    decision_channel: str = "last"  # last (released code) | first (paper)
+    init_offset: float = 5.0  # c0: alpha logit = k[c] - c0, omega = sigmoid(q[c] + c0)
+    tau: float = 0.1  # Gumbel-sigmoid temperature in training
+    accumulation: str = "exact"  # exact (full recurrence = inference) | window (paper, w tokens)
+    window: int = 12
+    attention_impl: str = "auto"  # auto | fused_cpu | blocked (dmc_ops.dmc_attention)
+    zero_out_steps: int = 0  # stage 1 (Eq. 12); 0 = skip (decision channel already unused)
+    zero_out_fraction: float = 1.0  # anneal over this fraction of stage 1 (released code: 0.8)
+    ramp_steps: int = 0  # stage 2: target CR rises linearly from 1 to target_cr
+    finetune_steps: int = 0  # stage 3: fixed CR, cosine LR down to finetune_min_lr_ratio
+    finetune_min_lr_ratio: float = 0.1
 
 
 @dataclass
@@ -124,6 +142,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
+    dmc: DMCConfig = field(default_factory=DMCConfig)
 
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")

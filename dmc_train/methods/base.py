@@ -32,6 +32,9 @@ class Method:
         """
         return {}
 
+    def attach(self, trainer) -> None:
+        """Called once the trainer has built (and possibly loaded) the model, optimizer and scheduler."""
+
     def before_step(self, step: int, model_chunks: list[torch.nn.Module]) -> None:
         """Called before the forward/backward of optimizer step ``step`` (0-based)."""
 
@@ -49,6 +52,9 @@ class Method:
         """JSON-serialisable facts recorded beside each checkpoint (e.g. achieved compression)."""
         return {}
 
+    def write_artifacts(self, ckpt_dir: str, meta: dict) -> None:
+        """Rank 0: extra files (plots) written into a checkpoint before it is made visible."""
+
 
 _REGISTRY: dict[str, type[Method]] = {"none": Method}
 
@@ -60,6 +66,7 @@ def register(cls: type[Method]) -> type[Method]:
 
 def build_method(cfg: Any) -> Method:
     from dmc_train.distributed import ConfigError
+    from dmc_train.methods import dmc  # noqa: F401  (registers dmc, fixed_pooling)
 
     name = cfg.method.name
     if name not in _REGISTRY:

@@ -220,6 +220,7 @@ def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, co
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
         OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
+        method.write_artifacts(tmp, meta)
         _finalize(root, tmp, final, meta)
         _prune(root, cfg.checkpoint.keep_last)
     barrier()

@@ -53,7 +53,7 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(record, step=step)
         if self.progress:
-            shown = "  ".join(_fmt(k, v) for k, v in metrics.items())
+            shown = "  ".join(_fmt(k, v) for k, v in metrics.items() if not isinstance(v, (list, dict)))
             print(f"[{step}/{self.total_steps}] {shown}  tok/s {tok_s:,.0f}  eta {format_duration(eta)}",
                   file=sys.stdout, flush=True)
 

@@ -89,6 +89,8 @@ class Trainer:
                                                                 self.scheduler, self.method)
         elif cfg.checkpoint.init_from:
             ckpt_mod.load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg)
+            self.optimizer.reload_model_params()
+        self.method.attach(self)
 
     # -- one micro-batch --------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
@@ -134,6 +136,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.method.before_step(self.step, self.model)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (a method may have set it)
         losses = self._run_schedule(self.train_data, self.consumed, forward_only=False)
         metrics = reduce_losses(losses)
         if self._all_finite(metrics["lm_loss"]):
@@ -145,7 +148,7 @@ class Trainer:
         self.step += 1
         self.consumed += self.cfg.train.global_batch_size
         metrics.update(self.method.after_step(self.step, self.model))
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["lr"] = lr
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         if not ok:
             metrics["skipped"] = 1

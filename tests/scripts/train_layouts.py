@@ -1,7 +1,9 @@
 """Train the tiny model for a few steps under several parallel layouts in one launch; write losses as JSON.
 
     torchrun --nproc_per_node=2 tests/scripts/train_layouts.py OUT.json tp2 pp2 vpp2 dp2_distopt
-    python tests/scripts/train_layouts.py OUT.json ref          # single process reference
+    python tests/scripts/train_layouts.py OUT.json ref dmc_ref  # single process references
+
+Each layout's result: {"lm_loss": [...], "cr_loss": [...], "cr": [...]} per step (None where absent).
 
 Run by tests/test_parallel_equivalence.py.
 """
@@ -22,6 +24,10 @@ LAYOUTS = {
     "dp2": [],
     "dp2_distopt": ["parallel.distributed_optimizer=true"],
 }
+# DMC at a fixed target CR of 2 from the first step (the CR hinge is active, so its gradient flows),
+# with a small logit offset so that decisions vary; GQA (4 KV heads) so omega averages a group.
+DMC = ["method.name=dmc", "dmc.target_cr=2", "dmc.init_offset=0.5", "model.num_query_groups=4"]
+LAYOUTS.update({f"dmc_{name}": DMC + LAYOUTS[name] for name in ("ref", "tp2", "pp2", "vpp2")})
 COMMON = ["+recipe=tiny_pretrain", "train.max_steps=3", "train.eval_interval=0", "checkpoint.save_at_end=false",
           "checkpoint.resume=none", "logging.progress=false", "optim.warmup_steps=0"]
 
@@ -36,7 +42,7 @@ def main(out_path: str, names: list[str]) -> None:
         for name in names:
             cfg = load_config(COMMON + LAYOUTS[name] + [f"run_dir={tmp}/{name}"])
             summary = train(cfg)
-            results[name] = [h["lm_loss"] for h in summary["history"]]
+            results[name] = {key: [h.get(key) for h in summary["history"]] for key in ("lm_loss", "cr_loss", "cr")}
     if distributed.is_rank0():
         with open(out_path, "w") as f:
             json.dump(results, f)
