@@ -212,6 +212,10 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1")
     if t.max_steps < 1 and not t.max_tokens:
         raise ConfigError("set train.max_steps >= 1 or train.max_tokens")
+    if cfg.method.name in ("dmc", "fixed_pooling"):
+        from dmc_train.methods.dmc import validate_dmc
+
+        validate_dmc(cfg)
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
 

@@ -15,7 +15,7 @@ def cr_heatmap(cr_per_head: list[list[float]], path: str, title: str = "achieved
 
     data = np.asarray(cr_per_head, dtype=float)
     layers, heads = data.shape
-    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * heads, 1.0 + 0.4 * layers))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.5 + 0.45 * heads), max(2.5, 1.0 + 0.4 * layers)))
     im = ax.imshow(np.where(np.isfinite(data), data, np.nan), cmap="viridis", aspect="auto", origin="lower")
     for (i, j), v in np.ndenumerate(data):
         ax.text(j, i, f"{v:.1f}" if np.isfinite(v) else "inf", ha="center", va="center", fontsize=7, color="w")

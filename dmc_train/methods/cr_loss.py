@@ -130,7 +130,3 @@ class _InjectCRGradient(torch.autograd.Function):
     def backward(ctx, grad):
         return grad + ctx.tracker.alpha_gradient(ctx.m), None, None
 
-
-def compression_ratio(appends: torch.Tensor, decisions: torch.Tensor) -> torch.Tensor:
-    """Achieved CR = decisions / appends (elementwise; inf where nothing was appended)."""
-    return decisions / appends

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from megatron.core import parallel_state as ps
@@ -39,7 +39,6 @@ def validate_dmc(cfg: Any) -> None:
     """One-line ConfigError for DMC settings that cannot work (called before any model is built)."""
     d, m = cfg.dmc, cfg.model
     head_dim = m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
     for key, value, allowed in (("dmc.decision_channel", d.decision_channel, CHANNELS),
                                 ("dmc.accumulation", d.accumulation, ACCUMULATIONS),
                                 ("dmc.attention_impl", d.attention_impl, ATTENTION_IMPLS)):
@@ -58,9 +57,6 @@ def validate_dmc(cfg: Any) -> None:
     if head_dim < 2:
         raise ConfigError(f"DMC needs a head dimension >= 2 to free a decision channel; "
                           f"model.hidden_size / model.num_attention_heads = {head_dim}")
-    if groups < cfg.parallel.tensor:
-        raise ConfigError(f"DMC needs parallel.tensor={cfg.parallel.tensor} <= number of KV heads ({groups}): "
-                          f"replicated KV heads would decide twice; lower parallel.tensor")
     if cfg.train.recompute != "none":
         raise ConfigError(f"train.recompute={cfg.train.recompute!r} is not supported with DMC (its attention "
                           f"is already O(n) in memory); set train.recompute=none")
@@ -72,13 +68,44 @@ def validate_dmc(cfg: Any) -> None:
                           f"got {d.target_cr}")
 
 
+def dmc_stage(d: Any, step: int) -> tuple[str, float]:
+    """``(stage, value)`` of optimizer step ``step`` for DMC settings ``d``: the zero-out factor in
+    stage ``zero_out``, else the target CR (``retrofit`` ramp, then ``finetune``)."""
+    z, r = d.zero_out_steps, d.ramp_steps
+    if step < z:
+        return "zero_out", max(0.0, 1.0 - step / (z * d.zero_out_fraction))
+    if step < z + r:
+        return "retrofit", 1.0 + (d.target_cr - 1.0) * (step - z + 1) / r
+    return "finetune", d.target_cr
+
+
+def finetune_lr(cfg: Any, step: int) -> Optional[float]:
+    """Learning rate of ``step`` in the finetune stage (cosine from ``optim.lr`` to
+    ``optim.lr * dmc.finetune_min_lr_ratio`` over ``dmc.finetune_steps``); None before it."""
+    d, o = cfg.dmc, cfg.optim
+    t = step - d.zero_out_steps - d.ramp_steps
+    if d.finetune_steps <= 0 or t < 0:
+        return None
+    progress = min(1.0, t / d.finetune_steps)
+    low = d.finetune_min_lr_ratio
+    return o.lr * (low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def achieved_cr(stats: torch.Tensor) -> dict:
+    """Achieved compression (decisions / appends) from hard-decision counts ``[layers, heads, 2]``
+    (appends, decisions): global, per layer, per (layer, head)."""
+    appends, decisions = stats[..., 0], stats[..., 1]
+    return {"achieved_cr": float(decisions.sum() / appends.sum()),
+            "achieved_cr_per_layer": (decisions.sum(-1) / appends.sum(-1)).tolist(),
+            "achieved_cr_per_head": (decisions / appends).tolist()}
+
+
 @register
 class DMCMethod(Method):
     name = "dmc"
 
     def __init__(self, cfg: Any):
-        super().__init__(cfg)
-        validate_dmc(cfg)
+        super().__init__(cfg)  # settings were checked by config.validate (validate_dmc)
         d, m = cfg.dmc, cfg.model
         head_dim = m.hidden_size // m.num_attention_heads
         model_parallel = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
@@ -107,14 +134,7 @@ class DMCMethod(Method):
 
     # -- schedule ---------------------------------------------------------------------------------
     def stage(self, step: int) -> tuple[str, float]:
-        """``(stage, value)`` of optimizer step ``step``: zero-out factor or target CR."""
-        d = self.cfg.dmc
-        z, r = d.zero_out_steps, d.ramp_steps
-        if step < z:
-            return "zero_out", max(0.0, 1.0 - step / (z * d.zero_out_fraction))
-        if step < z + r:
-            return "retrofit", 1.0 + (d.target_cr - 1.0) * (step - z + 1) / r
-        return "finetune", d.target_cr
+        return dmc_stage(self.cfg.dmc, step)
 
     def before_step(self, step: int, model_chunks) -> None:
         self.tracker.drain()
@@ -127,19 +147,10 @@ class DMCMethod(Method):
             self._zero_decision_rows(model_chunks)
         self.state.phase = "dmc"
         self.tracker.target_cr = value
-        lr = self._finetune_lr(step)
+        lr = finetune_lr(self.cfg, step)
         if lr is not None:
             for group in self.trainer.optimizer.param_groups:
                 group["lr"] = lr
-
-    def _finetune_lr(self, step: int):
-        d, o = self.cfg.dmc, self.cfg.optim
-        t = step - d.zero_out_steps - d.ramp_steps
-        if d.finetune_steps <= 0 or t < 0:
-            return None
-        progress = min(1.0, t / d.finetune_steps)
-        low = d.finetune_min_lr_ratio
-        return o.lr * (low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     @torch.no_grad()
     def _zero_decision_rows(self, model_chunks) -> None:
@@ -158,29 +169,25 @@ class DMCMethod(Method):
 
     # -- loss and metrics -------------------------------------------------------------------------
     def loss_terms(self, model_chunk) -> dict[str, torch.Tensor]:
-        if self.state.phase != "dmc":
+        if self.state.phase != "dmc":  # zero-out stage; fixed pooling learns no decisions
             return {}
         return {"cr_loss": torch.tensor(self.tracker.loss(self.tracker.active))}
 
     def after_step(self, step: int, model_chunks) -> dict:
         self.tracker.drain()
-        metrics = {"target_cr": self.tracker.target_cr if self.state.phase == "dmc" else 1.0}
+        metrics = {"target_cr": self.tracker.target_cr if self.state.phase != "zero_out" else 1.0}
         stats = self.tracker.reduce_stats()
-        if self.state.phase != "dmc":
+        if self.state.phase == "zero_out":
             return metrics
         self.last_stats = stats
-        metrics["cr"] = float(stats[..., 1].sum() / stats[..., 0].sum())
-        metrics["cr_layers"] = [round(float(x), 4) for x in stats[..., 1].sum(-1) / stats[..., 0].sum(-1)]
-        return metrics
+        summary = achieved_cr(stats)
+        return {**metrics, "cr": summary["achieved_cr"], "cr_layers": summary["achieved_cr_per_layer"]}
 
     def checkpoint_metadata(self, model_chunks) -> dict:
         stage, value = self.stage(self.state.step)
         meta = {"stage": stage, "target_cr": value if stage != "zero_out" else 1.0}
         if self.last_stats is not None:
-            s = self.last_stats
-            meta["achieved_cr"] = float(s[..., 1].sum() / s[..., 0].sum())
-            meta["achieved_cr_per_layer"] = (s[..., 1].sum(-1) / s[..., 0].sum(-1)).tolist()
-            meta["achieved_cr_per_head"] = (s[..., 1] / s[..., 0]).tolist()
+            meta.update(achieved_cr(self.last_stats))
         return meta
 
     def write_artifacts(self, ckpt_dir: str, meta: dict) -> None:
@@ -195,23 +202,16 @@ class DMCMethod(Method):
 
 @register
 class FixedPoolingMethod(DMCMethod):
-    """Fixed Memory Pooling (the DMC paper's ablation): average every ``dmc.target_cr`` tokens."""
+    """Fixed Memory Pooling (the DMC paper's ablation): average every ``dmc.target_cr`` tokens; no
+    decisions are learned, so there is no schedule and no CR loss."""
 
     name = "fixed_pooling"
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.state.phase, self.state.pool = "fixed", int(cfg.dmc.target_cr)
-        self.state.tracker = None
+        self.tracker.target_cr = cfg.dmc.target_cr
 
-    def before_step(self, step, model_chunks):
+    def before_step(self, step: int, model_chunks) -> None:
+        self.tracker.drain()
         self.state.step = step
-
-    def loss_terms(self, model_chunk):
-        return {}
-
-    def after_step(self, step, model_chunks):
-        return {"cr": float(self.cfg.dmc.target_cr)}
-
-    def attach(self, trainer) -> None:
-        self.trainer = trainer

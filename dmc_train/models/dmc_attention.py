@@ -74,7 +74,10 @@ class DMCSelfAttention(SelfAttention):
         st, c = self.dmc, self.dmc.channel
         self.core_attention.pending = None
         if st.phase == "fixed":
-            self.core_attention.pending = fixed_pooling_decisions(key, st.pool)
+            alpha, omega = fixed_pooling_decisions(key, st.pool)
+            if st.tracker is not None:  # counts the decisions (achieved CR); no gradient
+                alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, count_stats=self.training)
+            self.core_attention.pending = (alpha, omega)
             return query, key, value
         keep = torch.ones(query.shape[-1], dtype=query.dtype, device=query.device)
         if st.phase == "zero_out":

@@ -106,8 +106,13 @@ def resolve_resume(cfg: Any) -> Optional[tuple[str, dict]]:
 
 def check_model_shape(ckpt: str, meta: dict, cfg: Any) -> None:
     saved = meta["config"]["model"]
-    diffs = [f"{k}: checkpoint {saved.get(k)} vs config {cfg.model[k]}"
-             for k in MODEL_SHAPE_FIELDS if saved.get(k) != cfg.model[k]]
+
+    def value(model, key):  # num_query_groups: null means MHA (groups = heads)
+        v = model.get(key)
+        return model.get("num_attention_heads") if key == "num_query_groups" and v is None else v
+
+    diffs = [f"{k}: checkpoint {value(saved, k)} vs config {value(cfg.model, k)}"
+             for k in MODEL_SHAPE_FIELDS if value(saved, k) != value(cfg.model, k)]
     if diffs:
         raise CheckpointError(f"checkpoint {ckpt} has a different model shape ({'; '.join(diffs)}); "
                               f"use the matching model config or another checkpoint")
@@ -310,11 +315,25 @@ def _materialise_distopt_state(optimizer) -> None:
             g["lr"] = lr
 
 
+def find_checkpoint(path: str) -> str:
+    """A checkpoint directory from ``path``: the checkpoint itself, or a checkpoints root / run
+    directory whose ``latest`` names one."""
+    if os.path.exists(os.path.join(path, META)):
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        latest = read_latest(root)
+        if latest is not None:
+            return latest
+    return path  # read_meta names what is missing
+
+
 def load_weights(ckpt: str, model_chunks: list, cfg: Any = None) -> dict:
     """Load only the model weights of ``ckpt`` into unwrapped chunks (any TP/PP layout); returns meta.
 
-    With ``cfg`` the checkpoint's model shape is checked against ``cfg.model`` first.
+    ``ckpt`` may also be a run directory or checkpoints root (its ``latest`` is used). With ``cfg``
+    the checkpoint's model shape is checked against ``cfg.model`` first.
     """
+    ckpt = find_checkpoint(ckpt)
     meta = read_meta(ckpt)
     if cfg is not None:
         check_model_shape(ckpt, meta, cfg)
@@ -327,3 +346,34 @@ def load_weights(ckpt: str, model_chunks: list, cfg: Any = None) -> dict:
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(state[_model_key(i, len(model_chunks))], strict=True)
     return meta
+
+
+def save_weights(cfg: Any, model_chunks: list, out: str, extra_meta: Optional[dict] = None) -> str:
+    """Write a weights-only checkpoint of unwrapped chunks to the directory ``out`` (loadable with
+    ``checkpoint.init_from=<out>`` at any TP/PP layout). Written under ``out.tmp`` and renamed, so an
+    existing ``out`` is replaced only by a complete checkpoint."""
+    out = os.path.abspath(out)
+    tmp = out + ".tmp"
+    if is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    state = {_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
+    dist_checkpointing.save(state, tmp)
+    barrier()
+    if is_rank0():
+        meta = {"step": 0, "consumed_samples": 0, "weights_only": True,
+                "layout": {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
+                           "virtual_pipeline": cfg.parallel.virtual_pipeline, "distributed_optimizer": False,
+                           "world_size": world_size()},
+                "method": cfg.method.name, **(extra_meta or {}), "config": OmegaConf.to_container(cfg, resolve=True)}
+        OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=1)
+        if os.path.exists(out):
+            shutil.rmtree(out + ".old", ignore_errors=True)
+            os.rename(out, out + ".old")
+        os.rename(tmp, out)
+        shutil.rmtree(out + ".old", ignore_errors=True)
+    barrier()
+    return out

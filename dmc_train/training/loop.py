@@ -73,6 +73,9 @@ class Trainer:
         self.cfg = cfg
         self.method = method or build_method(cfg)
         self.resume = ckpt_mod.resolve_resume(cfg)  # before building: mismatches fail fast
+        if self.resume is None and cfg.checkpoint.init_from:
+            init = ckpt_mod.find_checkpoint(cfg.checkpoint.init_from)
+            ckpt_mod.check_model_shape(init, ckpt_mod.read_meta(init), cfg)
         self.total_steps = total_steps(cfg)
         # Data before the model: a missing prefix or a too-large vocabulary fails fast.
         self.train_data, self.valid_data, self.test_data = build_datasets(

@@ -1,0 +1,77 @@
+"""GQA up-training (Ainslie et al. 2023, METHODS.md §2): MHA -> G query groups by averaging K/V heads.
+
+megatron's fused ``linear_qkv.weight`` (TP=1) is ``[groups * (q_per_group + 2) * d, hidden]``: for
+every group its query heads, then its key head, then its value head (rows of ``d`` each). Query head
+``j`` belongs to group ``j // q_per_group``. Converting to fewer groups keeps every query head in
+place and replaces the key (value) heads of each new group by the mean of the old ones it merges.
+Compression of the KV cache = heads / groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import torch
+from omegaconf import OmegaConf
+
+from dmc_train.distributed import ConfigError
+
+
+def check_groups(num_heads: int, groups_from: int, groups_to: int, tensor_parallel: int = 1) -> None:
+    """One-line ConfigError unless ``groups_to`` divides the heads and the current groups (and TP)."""
+    if groups_to < 1 or num_heads % groups_to:
+        raise ConfigError(f"GQA groups={groups_to} must divide the number of attention heads ({num_heads})")
+    if groups_from % groups_to:
+        raise ConfigError(f"GQA groups={groups_to} must divide the model's current number of KV heads "
+                          f"({groups_from}): each new group averages whole old groups")
+    if tensor_parallel > 1 and groups_to % tensor_parallel:
+        raise ConfigError(f"GQA groups={groups_to} must be divisible by parallel.tensor={tensor_parallel}")
+
+
+def convert_qkv_weight(weight: torch.Tensor, num_heads: int, groups_from: int, groups_to: int) -> torch.Tensor:
+    """``linear_qkv.weight [groups_from * (heads/groups_from + 2) * d, hidden]`` (full, TP=1) ->
+    the same for ``groups_to`` groups, K/V heads averaged within each new group."""
+    check_groups(num_heads, groups_from, groups_to)
+    per_from = num_heads // groups_from
+    d = weight.shape[0] // (groups_from * (per_from + 2))
+    w = weight.view(groups_from, per_from + 2, d, -1)
+    q = w[:, :per_from].reshape(groups_to, num_heads // groups_to, d, -1)
+    merge = groups_from // groups_to
+    k = w[:, per_from].reshape(groups_to, merge, d, -1).mean(dim=1, dtype=torch.float64).to(weight.dtype)
+    v = w[:, per_from + 1].reshape(groups_to, merge, d, -1).mean(dim=1, dtype=torch.float64).to(weight.dtype)
+    return torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1).reshape(-1, weight.shape[-1])
+
+
+def convert_checkpoint(src: str, out: str, groups: int) -> str:
+    """Convert the weights of checkpoint ``src`` (any TP/PP layout it was saved with) to ``groups``
+    query groups and save them as a weights-only checkpoint ``out`` (loadable at any layout with
+    ``checkpoint.init_from``). Runs in one process."""
+    from dmc_train import distributed
+    from dmc_train.models.llama import build_model
+    from dmc_train.training.checkpointing import find_checkpoint, load_weights, read_meta, save_weights
+
+    src = find_checkpoint(src)
+    meta = read_meta(src)
+    cfg = OmegaConf.create(meta["config"])
+    m = cfg.model
+    groups_from = m.num_query_groups or m.num_attention_heads
+    check_groups(m.num_attention_heads, groups_from, groups)
+    if os.path.abspath(out) == os.path.abspath(src):
+        raise ConfigError(f"--output {out} is the input checkpoint; choose a new directory")
+    cfg.parallel = {**cfg.parallel, "tensor": 1, "pipeline": 1, "virtual_pipeline": None,
+                    "sequence_parallel": False, "distributed_optimizer": False}
+    cfg.method.name = "none"
+    distributed.initialize(1, 1, None, cfg.train.seed)
+    source = build_model(cfg)
+    load_weights(src, source, cfg)
+    target_cfg = copy.deepcopy(cfg)
+    target_cfg.model.num_query_groups = None if groups == m.num_attention_heads else groups
+    target = build_model(target_cfg)
+    state = source[0].state_dict()
+    for key, value in state.items():
+        if key.endswith("linear_qkv.weight"):
+            state[key] = convert_qkv_weight(value, m.num_attention_heads, groups_from, groups)
+    target[0].load_state_dict(state, strict=True)
+    return save_weights(target_cfg, target, out,
+                        {"converted_from": os.path.abspath(src), "gqa": {"groups_from": groups_from, "groups": groups}})
+

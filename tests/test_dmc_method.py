@@ -1,0 +1,149 @@
+"""DMC method pieces that need no process group: CR loss gradient, schedule, settings, GQA conversion."""
+
+import math
+
+import pytest
+import torch
+
+from dmc_train.config import load_config, validate
+from dmc_train.distributed import ConfigError
+from dmc_train.methods.cr_loss import CRLossTracker
+from dmc_train.methods.dmc import dmc_stage, finetune_lr
+from dmc_train.methods.gqa import convert_qkv_weight
+
+
+def _alphas(seed, shapes, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.rand(s, generator=gen, dtype=torch.float64) * scale).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("target_cr, active", [(1.5, True), (4.0, True), (1.0, False)])
+def test_cr_gradient_equals_autograd_of_eq10(target_cr, active):
+    """Two micro-batches through two 'layers': the injected gradient equals autograd of
+    sum_m tokens_m * max(0, S_m - N_m / CR) / N_m, and the loss values agree."""
+    shapes = [(2, 3, 5), (2, 3, 5)]  # [b, h_kv, n] per layer
+    tracker = CRLossTracker(num_layers=2, num_heads=3)
+    tracker.target_cr = target_cr
+    weights = torch.randn(2, 3, 5, dtype=torch.float64)
+    ours, ref = [], []
+    for m in range(2):
+        alphas = _alphas(m, shapes, scale=0.4)
+        ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
+        tracker.begin_chunk(0)
+        wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
+        tracker.end_chunk(0)
+        lm = sum((a * weights).sum() for a in wired)
+        value = tracker.loss(m)
+        lm.backward()
+        ours.append((value, [a.grad for a in alphas]))
+
+        s = sum((1 - a).sum() for a in ref_alphas)
+        n = sum(a.numel() for a in ref_alphas)
+        tokens = 2 * 5
+        cr = torch.clamp(s - n / target_cr, min=0) / n
+        (sum((a * weights).sum() for a in ref_alphas) + tokens * cr).backward()
+        ref.append((cr.item(), [a.grad for a in ref_alphas]))
+    for (v, grads), (rv, rgrads) in zip(ours, ref):
+        assert v == pytest.approx(rv, abs=1e-12)
+        assert (v > 0) == active
+        for g, rg in zip(grads, rgrads):
+            torch.testing.assert_close(g, rg)
+    # Per-head hard-decision statistics: alphas <= 0.5 count as appends.
+    stats = tracker.reduce_stats()
+    assert stats[..., 1].sum() == 2 * 2 * 3 * 2 * 5
+    assert stats[..., 0].sum() > 0 and (stats[..., 0] <= stats[..., 1]).all()
+
+
+def test_cr_reduction_waits_for_every_model_chunk():
+    """With 2 chunks per rank (interleaved PP) micro-batch m is complete only after both chunks ran it."""
+    tracker = CRLossTracker(num_layers=2, num_heads=1, num_chunks=2)
+    for chunk, layer in ((0, 0), (0, 0), (1, 1), (1, 1)):  # chunk 0 runs m=0,1, then chunk 1 runs m=0,1
+        tracker.begin_chunk(chunk)
+        tracker.record(torch.full((1, 1, 4), 0.25), layer, 0)
+        tracker.end_chunk(chunk)
+    tracker.target_cr = 1.0
+    assert tracker._partial[0].tolist() == [2 * 4 * 0.75, 8]  # both layers of micro-batch 0
+    assert tracker.loss(1) == pytest.approx(0.0)
+    tracker.target_cr = 2.0
+    assert tracker.loss(0) == pytest.approx((6 - 4) / 8)
+
+
+def _dmc_cfg(*overrides):
+    return load_config(["+recipe=tiny_pretrain", "method.name=dmc", *overrides])
+
+
+def test_schedule_stages_and_finetune_lr():
+    cfg = _dmc_cfg("dmc.zero_out_steps=4", "dmc.ramp_steps=5", "dmc.finetune_steps=10", "dmc.target_cr=3",
+                   "optim.lr=1.0", "dmc.finetune_min_lr_ratio=0.1")
+    stages = [dmc_stage(cfg.dmc, s) for s in range(20)]
+    assert stages[:4] == [("zero_out", 1.0), ("zero_out", 0.75), ("zero_out", 0.5), ("zero_out", 0.25)]
+    assert [v for _, v in stages[4:9]] == pytest.approx([1.4, 1.8, 2.2, 2.6, 3.0])
+    assert {s for s, _ in stages[4:9]} == {"retrofit"} and stages[9:] == [("finetune", 3.0)] * 11
+    assert [finetune_lr(cfg, s) for s in (8, 9)] == [None, 1.0]
+    assert finetune_lr(cfg, 14) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert finetune_lr(cfg, 19) == pytest.approx(0.1) and finetune_lr(cfg, 40) == pytest.approx(0.1)
+    released = _dmc_cfg("dmc.zero_out_steps=10", "dmc.zero_out_fraction=0.8")
+    assert [dmc_stage(released.dmc, s)[1] for s in (4, 8, 9)] == [0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["dmc.target_cr=0.5"], "dmc.target_cr=0.5 must be >= 1"),
+    (["dmc.window=0"], "dmc.window=0 must be >= 1"),
+    (["model.hidden_size=8"], "head dimension >= 2"),
+    (["dmc.decision_channel=middle"], "dmc.decision_channel='middle' is not one of last, first"),
+    (["dmc.accumulation=approx"], "dmc.accumulation='approx' is not one of exact, window"),
+    (["model.num_query_groups=2", "parallel.tensor=4"], "parallel.tensor=4 does not divide model.num_query_groups=2"),
+    (["train.recompute=full"], "train.recompute='full' is not supported with DMC"),
+    (["train.precision=fp16"], "fp16 is not supported with DMC"),
+    (["method.name=fixed_pooling", "dmc.target_cr=2.5"], "must be an integer"),
+])
+def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
+    cfg = _dmc_cfg(*overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")) as e:
+        validate(cfg, world_size=cfg.parallel.tensor)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_method_is_rejected():
+    from dmc_train.methods.base import build_method
+
+    with pytest.raises(ConfigError, match="method.name='dmcc' is not one of dmc, fixed_pooling, none"):
+        build_method(load_config(["+recipe=tiny_pretrain", "method.name=dmcc"]))
+
+
+def _qkv(heads, groups, d=3, hidden=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(groups * (heads // groups + 2) * d, hidden, generator=gen, dtype=torch.float64)
+
+
+def _split(w, heads, groups, d=3):
+    """Reference split of megatron's fused layout: per group [q heads..., k, v]."""
+    per = heads // groups
+    blocks = w.view(groups, per + 2, d, -1)
+    q = [blocks[j // per, j % per] for j in range(heads)]
+    return q, [blocks[g, per] for g in range(groups)], [blocks[g, per + 1] for g in range(groups)]
+
+
+def test_gqa_conversion_with_all_groups_is_identity():
+    w = _qkv(8, 8)
+    assert torch.equal(convert_qkv_weight(w, 8, 8, 8), w)
+
+
+@pytest.mark.parametrize("heads, groups_from, groups_to", [(8, 8, 4), (8, 8, 2), (8, 8, 1), (8, 4, 2)])
+def test_gqa_conversion_averages_exactly(heads, groups_from, groups_to):
+    w = _qkv(heads, groups_from)
+    q0, k0, v0 = _split(w, heads, groups_from)
+    q1, k1, v1 = _split(convert_qkv_weight(w, heads, groups_from, groups_to), heads, groups_to)
+    merge = groups_from // groups_to
+    for j in range(heads):
+        assert torch.equal(q1[j], q0[j])  # query heads unchanged, in place
+    for g in range(groups_to):
+        torch.testing.assert_close(k1[g], sum(k0[g * merge: (g + 1) * merge]) / merge, rtol=0, atol=1e-15)
+        torch.testing.assert_close(v1[g], sum(v0[g * merge: (g + 1) * merge]) / merge, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("groups_to, message", [(3, "must divide the number of attention heads"),
+                                                (8, "must divide the model's current number of KV heads")])
+def test_gqa_conversion_rejects_bad_group_counts(groups_to, message):
+    with pytest.raises(ConfigError, match=message):
+        convert_qkv_weight(_qkv(8, 4), 8, 4, groups_to)

@@ -1,0 +1,49 @@
+"""DMC training end to end (one process): schedule, CR loss, checkpoint metadata and heatmaps, exact
+resume, zeroed decision rows, the fixed-pooling ablation (tests/scripts/dmc_checks.py)."""
+
+import pytest
+
+from tests.helpers import run_json
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dmc")
+    return run_json(["tests/scripts/dmc_checks.py", str(tmp)], str(tmp / "out.json"))
+
+
+def test_schedule_drives_target_cr_and_losses(res):
+    full = res["full"]
+    assert full["target_cr"] == pytest.approx([1, 1, 2, 3, 3, 3])
+    assert full["cr_loss"][:2] == [None, None]  # zero-out stage: vanilla attention, no CR loss
+    assert all(v > 0 for v in full["cr_loss"][2:])  # achieved CR below target: the hinge is active
+    assert all(1 < v < 3 for v in full["cr"][2:])
+    assert full["lr"][4:] == pytest.approx([3e-3, 3e-3 * (0.1 + 0.9 * 0.5)])  # finetune: cosine to 10 %
+
+
+def test_checkpoints_record_achieved_cr_and_heatmap(res):
+    for step, expected_stage, target in (("3", "retrofit", 2.0), ("6", "finetune", 3.0)):
+        ckpt = res["checkpoints"][step]
+        meta = ckpt["meta"]
+        assert (meta["stage"], meta["target_cr"]) == (expected_stage, target)
+        per_head = meta["achieved_cr_per_head"]
+        assert len(per_head) == 4 and all(len(row) == 4 for row in per_head)  # layers x KV heads
+        assert len(meta["achieved_cr_per_layer"]) == 4
+        assert min(min(row) for row in per_head) <= meta["achieved_cr"] <= max(max(row) for row in per_head)
+        assert ckpt["png"] > 1000
+
+
+def test_resume_continues_exactly(res):
+    assert res["resumed"] == res["full"]["lm_loss"][3:]
+
+
+def test_zero_out_stage_ends_with_zeroed_decision_rows(res):
+    for layer in res["zeroed_rows"]:
+        assert layer["qk_decision"] == 0.0
+        assert layer["v_decision"] > 0 and layer["other"] > 0  # nothing else touched
+
+
+def test_fixed_pooling_ablation_trains(res):
+    pool = res["fixed_pool"]
+    assert pool["cr"] == [2.0, 2.0, 2.0]
+    assert pool["val_loss"][-1] is not None and 5 < pool["val_loss"][-1] < 7
