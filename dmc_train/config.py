@@ -123,6 +123,8 @@ class DMCConfig:
     accumulation: str = "exact"  # exact (full recurrence = inference) | window (paper, w tokens)
     window: int = 12
     attention_impl: str = "auto"  # auto | fused_cpu | blocked (dmc_ops.dmc_attention)
+    cr_loss: str = "paper"  # paper (Eq. 10, soft alphas summed over the model) | released (per-head hard, ST)
+    variant: str = "dmc"  # dmc | c (DMC-C: Eq. 13 constraint) | hardc (decisions shared per layer)
     zero_out_steps: int = 0  # stage 1 (Eq. 12); 0 = skip (decision channel already unused)
     zero_out_fraction: float = 1.0  # anneal over this fraction of stage 1 (released code: 0.8)
     ramp_steps: int = 0  # stage 2: target CR rises linearly from 1 to target_cr

@@ -62,10 +62,49 @@ def test_cr_reduction_waits_for_every_model_chunk():
         tracker.record(torch.full((1, 1, 4), 0.25), layer, 0)
         tracker.end_chunk(chunk)
     tracker.target_cr = 1.0
-    assert tracker._partial[0].tolist() == [2 * 4 * 0.75, 8]  # both layers of micro-batch 0
+    assert tracker._partial[0][0, :3].tolist() == [2 * 4 * 0.75, 0, 8]  # both layers of micro-batch 0
     assert tracker.loss(1) == pytest.approx(0.0)
     tracker.target_cr = 2.0
     assert tracker.loss(0) == pytest.approx((6 - 4) / 8)
+
+
+@pytest.mark.parametrize("target_cr", [1.5, 3.0])
+def test_released_form_gradient_is_straight_through_per_head(target_cr):
+    """The released code's loss: mean over heads of max(0, 1 - 1/CR - mean hard alpha of the head),
+    hard decisions with a straight-through gradient; compared with autograd of exactly that."""
+    shapes = [(2, 4, 6), (2, 4, 6)]
+    tracker = CRLossTracker(num_layers=2, num_heads=4, form="released")
+    tracker.target_cr = target_cr
+    alphas = _alphas(3, shapes)
+    alphas[1].data[:, 0] = 0.9  # head 0 accumulates a lot: its hinge is inactive
+    ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
+    weights = torch.randn(2, 4, 6, dtype=torch.float64)
+    tracker.begin_chunk(0)
+    wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
+    tracker.end_chunk(0)
+    sum((a * weights).sum() for a in wired).backward()
+
+    st = [(a > 0.5).double() + a - a.detach() for a in ref_alphas]
+    mean_hard = torch.stack([x.mean(dim=(0, 2)) for x in st]).mean(0)  # per head, over layers, batch, tokens
+    loss = torch.clamp(1 - 1 / target_cr - mean_hard, min=0).mean()
+    (sum((a * weights).sum() for a in ref_alphas) + 2 * 6 * loss).backward()
+    assert tracker.loss(0) == pytest.approx(loss.item(), abs=1e-12)
+    for a, r in zip(alphas, ref_alphas):
+        torch.testing.assert_close(a.grad, r.grad)
+    assert len({round(float(g), 12) for g in (alphas[0].grad - weights)[0, :, 0]}) > 1  # per-head hinge
+
+
+def test_attached_loss_joins_the_backward():
+    from dmc_train.methods.cr_loss import AttachLoss
+
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, dtype=torch.float64)
+    y = AttachLoss.apply(x * w.sum(), (w ** 2).sum(), 0.25)
+    torch.testing.assert_close(y, x * w.sum())
+    (y * g).sum().backward()
+    torch.testing.assert_close(w.grad, (g * x).sum().detach() + 0.25 * 2 * w.detach())
+    torch.testing.assert_close(x.grad, g * w.sum().detach())
 
 
 def _dmc_cfg(*overrides):
@@ -96,6 +135,8 @@ def test_schedule_stages_and_finetune_lr():
     (["train.recompute=full"], "train.recompute='full' is not supported with DMC"),
     (["train.precision=fp16"], "fp16 is not supported with DMC"),
     (["method.name=fixed_pooling", "dmc.target_cr=2.5"], "must be an integer"),
+    (["dmc.variant=soft"], "dmc.variant='soft' is not one of dmc, c, hardc"),
+    (["dmc.cr_loss=mine"], "dmc.cr_loss='mine' is not one of paper, released"),
 ])
 def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
     cfg = _dmc_cfg(*overrides)

@@ -28,7 +28,9 @@ class Method:
     def loss_terms(self, model_chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Extra per-token-normalised loss terms for the micro-batch just run through ``model_chunk``.
 
-        Called on every pipeline stage after that stage's forward; terms are added to the LM loss.
+        Called on the last pipeline stage after the forward; each term is weighted by the micro-batch's
+        tokens and added to the LM loss. A term may be a detached value (reported only) when its
+        gradient reaches the parameters another way (DMC injects it in the layers of every stage).
         """
         return {}
 

@@ -1,22 +1,29 @@
-"""DMC's compression-ratio loss (Eq. 10) over the whole model, under tensor and pipeline parallelism.
+"""DMC's compression-ratio loss over the whole model, under tensor and pipeline parallelism.
 
-    l_CR = max(0, S - N / CR) / N,   S = sum_{l,h,t} (1 - alpha_lht),   N = n_l n_h n
+Two forms (``dmc.cr_loss``):
 
-S and N run over *all* layers and KV heads of the model, so each micro-batch's partial sums must be
-reduced across the tensor- and pipeline-parallel ranks before the hinge. A blocking collective in
-the forward would deadlock a pipeline schedule (stage 0 runs micro-batch m's forward long before the
-last stage does). But the hinge's indicator ``[S > N / CR]`` is needed only at backward time, and
-every rank finishes the forwards of micro-batch m (of all its model chunks) before *any* rank starts
-m's backward. So each rank launches a non-blocking all-reduce of its partial sums for m as soon as
-all its chunks have run m's forward (every rank launches them in the same order, m = 0, 1, ...), and
-waits for it only when m's first alpha gradient - or m's loss value on the last stage - is needed.
+- ``paper`` (Eq. 10, default): ``l_CR = max(0, S - N / CR) / N`` with ``S = sum_{l,h,t} (1 - alpha)``
+  over *all* layers, KV heads and tokens of the micro-batch and ``N`` their count.
+- ``released`` (the authors' Megatron-LM code): per KV head, the mean hard decision ``a_h`` over
+  layers, batch and tokens (straight-through: its gradient goes to the soft alphas), then
+  ``l_CR = mean_h max(0, 1 - 1/CR - a_h)``.
+
+Both need sums over all layers and heads, i.e. over the tensor- and pipeline-parallel ranks, before
+the hinge. A blocking collective in the forward would deadlock a pipeline schedule (stage 0 runs
+micro-batch m's forward long before the last stage does). But the hinge's indicator is needed only
+at backward time, and every rank finishes the forwards of micro-batch m (of all its model chunks)
+before *any* rank starts m's backward. So each rank launches a non-blocking all-reduce of its
+per-head partial sums for m as soon as all its chunks have run m's forward (every rank launches them
+in the same order, m = 0, 1, ...), and waits for it only when m's first alpha gradient - or m's loss
+value on the last stage - is needed.
 
 The gradient is injected by an identity autograd function on each layer's alphas: in backward it
-adds ``d l_CR / d alpha = -[S > N / CR] / N`` times the micro-batch's token count (the loop weights
-every loss term by its tokens), so each rank's gradient flows only into its own alphas and from
-there through the normal pipeline backward.
+adds ``d l_CR / d alpha`` times the micro-batch's token count (the loop weights every loss term by
+its tokens), so each rank's gradient flows only into its own alphas and from there through the
+normal pipeline backward.
 
-The tracker also counts hard decisions per (layer, KV head) for the achieved compression ratio.
+The tracker also carries the DMC-C constraint's value (its gradient flows through the graph, see
+``dmc_attention.py``) and counts hard decisions per (layer, KV head) for the achieved CR.
 """
 
 from __future__ import annotations
@@ -27,17 +34,21 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+FORMS = ("paper", "released")
+# Columns of the per-micro-batch, per-KV-head sums.
+KEEP, HARD, COUNT, CONSTRAINT = range(4)
+
 
 class CRLossTracker:
-    """Per-rank bookkeeping of Eq. 10 for the micro-batches of the running schedule.
+    """Per-rank bookkeeping of the CR loss for the micro-batches of the running schedule.
 
-    ``num_layers`` / ``num_heads``: the full model's layer and KV-head counts (for the per-head
-    statistics, indexed globally). ``group``: the model-parallel (TP x PP) process group, or None
-    when this rank holds the whole model.
+    ``num_layers`` / ``num_heads``: the full model's layer and KV-head counts (heads are indexed
+    globally). ``group``: the model-parallel (TP x PP) process group, or None when this rank holds
+    the whole model. ``form``: ``paper`` or ``released`` (module docstring).
     """
 
-    def __init__(self, num_layers: int, num_heads: int, num_chunks: int = 1, group=None):
-        self.num_chunks, self.group = num_chunks, group
+    def __init__(self, num_layers: int, num_heads: int, num_chunks: int = 1, group=None, form: str = "paper"):
+        self.num_heads, self.num_chunks, self.group, self.form = num_heads, num_chunks, group, form
         self.target_cr = 1.0
         self.stats = torch.zeros(num_layers, num_heads, 2, dtype=torch.float64)  # (appends, decisions)
         self._forwards = defaultdict(int)  # chunk -> forwards run so far (= its next micro-batch index)
@@ -45,11 +56,16 @@ class CRLossTracker:
 
     def _reset_microbatches(self) -> None:
         self.active: Optional[int] = None  # micro-batch whose forward is running
-        self._partial: dict[int, torch.Tensor] = {}  # m -> [S, N] of this rank's layers
+        self._partial: dict[int, torch.Tensor] = {}  # m -> [heads, 4] sums of this rank's layers
         self._tokens: dict[int, int] = {}  # m -> tokens in the micro-batch (b * n)
         self._done: dict[int, int] = defaultdict(int)  # m -> chunks of this rank done with m
         self._pending: dict[int, object] = {}  # m -> async all-reduce work
         self._forwards.clear()
+
+    def _sums(self, m: int) -> torch.Tensor:
+        if m not in self._partial:
+            self._partial[m] = torch.zeros(self.num_heads, 4, dtype=torch.float64)
+        return self._partial[m]
 
     # -- forward bookkeeping (model-chunk hooks) --------------------------------------------------
     def begin_chunk(self, chunk: int) -> None:
@@ -59,48 +75,68 @@ class CRLossTracker:
     def end_chunk(self, chunk: int) -> None:
         m = self.active
         self._done[m] += 1
-        if self._done[m] == self.num_chunks:
-            sums = self._partial.setdefault(m, torch.zeros(2, dtype=torch.float64))
-            if self.group is not None:
-                self._pending[m] = dist.all_reduce(sums, group=self.group, async_op=True)
+        if self._done[m] == self.num_chunks and self.group is not None:
+            self._pending[m] = dist.all_reduce(self._sums(m), group=self.group, async_op=True)
 
-    def record(self, alpha: torch.Tensor, layer: int, head_offset: int, count_stats: bool = True) -> torch.Tensor:
+    def record(self, alpha: torch.Tensor, layer: int, head_offset: int, count_stats: bool = True,
+               constraint: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Account for one layer's alphas ``[b, h_kv_local, n]`` (first token already 0).
 
         ``layer``: 0-based global layer index; ``head_offset``: global index of the first local KV
-        head; ``count_stats``: add the hard decisions to the per-head statistics (training passes).
+        head; ``count_stats``: add the hard decisions to the per-head statistics (training passes);
+        ``constraint``: the DMC-C term per local head ``[h_kv_local]`` (value only, for logging).
         Returns ``alpha`` unchanged, wired to receive the CR-loss gradient in backward.
         """
         m = self.active
         b, h, n = alpha.shape
-        sums = self._partial.setdefault(m, torch.zeros(2, dtype=torch.float64))
-        sums[0] += (1 - alpha.detach()).sum().double()
-        sums[1] += alpha.numel()
+        a = alpha.detach().double()
+        hard = (a > 0.5).double()
+        heads = slice(head_offset, head_offset + h)
+        sums = self._sums(m)
+        sums[heads, KEEP] += (1 - a).sum(dim=(0, 2))
+        sums[heads, HARD] += hard.sum(dim=(0, 2))
+        sums[heads, COUNT] += b * n
+        if constraint is not None:
+            sums[heads, CONSTRAINT] += constraint.detach().double()
         self._tokens[m] = b * n
         if count_stats:
-            appends = (alpha.detach() <= 0.5).double().sum(dim=(0, 2))
-            self.stats[layer, head_offset: head_offset + h, 0] += appends
-            self.stats[layer, head_offset: head_offset + h, 1] += b * n
+            self.stats[layer, heads, 0] += (1 - hard).sum(dim=(0, 2))
+            self.stats[layer, heads, 1] += b * n
         if alpha.requires_grad:
-            return _InjectCRGradient.apply(alpha, self, m)
+            return _InjectCRGradient.apply(alpha, self, m, head_offset)
         return alpha
 
     # -- values needed at backward / loss time ----------------------------------------------------
-    def _global_sums(self, m: int) -> tuple[float, float]:
+    def _global_sums(self, m: int) -> torch.Tensor:
         work = self._pending.pop(m, None)
         if work is not None:
             work.wait()
-        s, n = self._partial[m].tolist()
-        return s, n
+        return self._partial[m]
 
     def loss(self, m: int) -> float:
-        s, n = self._global_sums(m)
-        return max(0.0, s - n / self.target_cr) / n
+        """The CR loss of micro-batch m (all layers and heads of the model)."""
+        sums = self._global_sums(m)
+        if self.form == "paper":
+            n = sums[:, COUNT].sum()
+            return float((sums[:, KEEP].sum() - n / self.target_cr).clamp(min=0) / n)
+        mean_hard = sums[:, HARD] / sums[:, COUNT]
+        return float((1 - 1 / self.target_cr - mean_hard).clamp(min=0).mean())
 
-    def alpha_gradient(self, m: int) -> float:
-        """``d (l_CR * tokens) / d alpha`` for every alpha of micro-batch m."""
-        s, n = self._global_sums(m)
-        return -self._tokens[m] / n if s > n / self.target_cr else 0.0
+    def constraint_loss(self, m: int) -> float:
+        """The DMC-C term of micro-batch m, normalised per decision like Eq. 10."""
+        sums = self._global_sums(m)
+        return float(sums[:, CONSTRAINT].sum() / sums[:, COUNT].sum())
+
+    def alpha_gradient(self, m: int) -> torch.Tensor:
+        """``d (l_CR * tokens) / d alpha`` for the alphas of micro-batch m, per global KV head ``[heads]``."""
+        sums = self._global_sums(m)
+        tokens = self._tokens[m]
+        if self.form == "paper":
+            n = sums[:, COUNT].sum()
+            active = float(sums[:, KEEP].sum() > n / self.target_cr)
+            return torch.full((self.num_heads,), -tokens * active / float(n), dtype=torch.float64)
+        active = (sums[:, HARD] / sums[:, COUNT] < 1 - 1 / self.target_cr).double()
+        return -tokens * active / (self.num_heads * sums[:, COUNT])
 
     # -- step boundaries --------------------------------------------------------------------------
     def drain(self) -> None:
@@ -119,14 +155,31 @@ class CRLossTracker:
 
 
 class _InjectCRGradient(torch.autograd.Function):
-    """Identity in forward; adds the CR hinge's gradient to ``alpha`` in backward."""
+    """Identity in forward; adds the CR loss's gradient to ``alpha [b, h, n]`` in backward."""
 
     @staticmethod
-    def forward(ctx, alpha, tracker, m):
-        ctx.tracker, ctx.m = tracker, m
+    def forward(ctx, alpha, tracker, m, head_offset):
+        ctx.tracker, ctx.m, ctx.head_offset = tracker, m, head_offset
         return alpha.view_as(alpha)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad + ctx.tracker.alpha_gradient(ctx.m), None, None
+        h = grad.shape[1]
+        coef = ctx.tracker.alpha_gradient(ctx.m)[ctx.head_offset: ctx.head_offset + h]
+        return grad + coef.to(grad.dtype).view(1, h, 1), None, None, None
 
+
+class AttachLoss(torch.autograd.Function):
+    """``AttachLoss.apply(x, loss, weight)`` returns ``x``; in backward ``loss`` receives gradient
+    ``weight``, so an auxiliary loss computed inside a layer joins the (pipeline) backward through the
+    activations that carry it."""
+
+    @staticmethod
+    def forward(ctx, x, loss, weight):
+        ctx.weight = weight
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.loss_shape, ctx.weight, dtype=ctx.loss_dtype, device=grad.device), None

@@ -27,12 +27,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dmc_train.distributed import ConfigError
 from dmc_train.methods.base import Method, register
-from dmc_train.methods.cr_loss import CRLossTracker
+from dmc_train.methods.cr_loss import FORMS, CRLossTracker
 from dmc_train.models.dmc_attention import DMCCoreAttention, DMCSelfAttention, DMCState
 
 CHANNELS = ("last", "first")
 ACCUMULATIONS = ("exact", "window")
 ATTENTION_IMPLS = ("auto", "fused_cpu", "blocked")
+VARIANTS = ("dmc", "c", "hardc")
 
 
 def validate_dmc(cfg: Any) -> None:
@@ -41,7 +42,8 @@ def validate_dmc(cfg: Any) -> None:
     head_dim = m.hidden_size // m.num_attention_heads
     for key, value, allowed in (("dmc.decision_channel", d.decision_channel, CHANNELS),
                                 ("dmc.accumulation", d.accumulation, ACCUMULATIONS),
-                                ("dmc.attention_impl", d.attention_impl, ATTENTION_IMPLS)):
+                                ("dmc.attention_impl", d.attention_impl, ATTENTION_IMPLS),
+                                ("dmc.cr_loss", d.cr_loss, FORMS), ("dmc.variant", d.variant, VARIANTS)):
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     if not d.target_cr >= 1:
@@ -111,10 +113,11 @@ class DMCMethod(Method):
         model_parallel = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
         self.tracker = CRLossTracker(m.num_layers, m.num_query_groups or m.num_attention_heads,
                                      num_chunks=cfg.parallel.virtual_pipeline or 1,
-                                     group=ps.get_model_parallel_group() if model_parallel > 1 else None)
+                                     group=ps.get_model_parallel_group() if model_parallel > 1 else None,
+                                     form=d.cr_loss)
         self.state = DMCState(
             channel=head_dim - 1 if d.decision_channel == "last" else 0, init_offset=d.init_offset, tau=d.tau,
-            accumulation=d.accumulation, window=d.window, attention_impl=d.attention_impl,
+            accumulation=d.accumulation, window=d.window, attention_impl=d.attention_impl, variant=d.variant,
             noise_seed=cfg.train.seed, dp_rank=ps.get_data_parallel_rank(), tracker=self.tracker)
         self.last_stats = None  # [layers, heads, 2] hard-decision counts of the last step, all ranks
 
@@ -171,7 +174,11 @@ class DMCMethod(Method):
     def loss_terms(self, model_chunk) -> dict[str, torch.Tensor]:
         if self.state.phase != "dmc":  # zero-out stage; fixed pooling learns no decisions
             return {}
-        return {"cr_loss": torch.tensor(self.tracker.loss(self.tracker.active))}
+        m = self.tracker.active
+        terms = {"cr_loss": torch.tensor(self.tracker.loss(m))}
+        if self.state.variant == "c":  # reported only: its gradient flows through the layers (AttachLoss)
+            terms["cr_c_loss"] = torch.tensor(self.tracker.constraint_loss(m))
+        return terms
 
     def after_step(self, step: int, model_chunks) -> dict:
         self.tracker.drain()

@@ -7,6 +7,9 @@ projected query and key heads *before* RoPE:
   ``sigmoid((logit + g1 - g2) / tau)`` (noise in fp32); evaluation: ``logit > 0`` with a
   straight-through estimator when gradients are needed. The first token always appends (alpha = 0).
 - ``omega`` (importance) ``sigmoid(mean_{query heads of the group} q[c] + c0) + eps``.
+- variants (App. E): ``c`` (DMC-C) adds ``sum |alpha - mean_{heads of the layer} alpha|`` (Eq. 13,
+  normalised per decision like Eq. 10) to the loss; ``hardc`` (DMC-HardC) shares one alpha logit and
+  one omega (means over the layer's heads) and one noise draw across all heads of a layer.
 
 then zeroes channel c in q and k, so RoPE rotates the other channels with it zeroed (as the released
 code does), and hands ``(alpha, omega)`` to ``DMCCoreAttention`` (the spec's ``core_attention``),
@@ -30,9 +33,11 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region)
 from megatron.core.transformer.attention import SelfAttention
 
-from dmc_train.methods.cr_loss import CRLossTracker
+from dmc_train.methods.cr_loss import AttachLoss, CRLossTracker
 from dmc_train.methods.dmc_ops import dmc_attention, partial_accumulation
 from dmc_train.models.attention import SDPACoreAttention
 
@@ -49,6 +54,7 @@ class DMCState:
     accumulation: str = "exact"
     window: int = 12
     attention_impl: str = "auto"
+    variant: str = "dmc"  # dmc | c (DMC-C, Eq. 13) | hardc (decisions shared per layer)
     phase: str = "dmc"  # zero_out | dmc | fixed
     zero_out_factor: float = 1.0
     pool: int = 2  # fixed pooling: tokens per slot
@@ -87,25 +93,36 @@ class DMCSelfAttention(SelfAttention):
         alpha_logit = key[..., c].float() - st.init_offset  # [s, b, g]
         s, b, g = alpha_logit.shape
         q_dec = query[..., c].float().unflatten(-1, (g, -1)).mean(-1)  # [s, b, g]: mean over the group
+        if st.variant == "hardc":  # one decision and one importance per layer, shared by all heads
+            alpha_logit, q_dec = _mean_over_heads(alpha_logit), _mean_over_heads(q_dec)
         omega = torch.sigmoid(q_dec + st.init_offset) + OMEGA_EPS
-        alpha = self._alpha(alpha_logit)
+        alpha = self._alpha(alpha_logit, shared_noise=st.variant == "hardc")
         first = torch.ones(s, 1, 1, dtype=alpha.dtype, device=alpha.device)
         first[0] = 0
         alpha = (alpha * first).permute(1, 2, 0)  # [b, g, s]; the first token always appends
+        query, key = query * keep, key * keep
+        constraint = None
+        if st.variant == "c":  # DMC-C (Eq. 13): |alpha - mean over the layer's heads|, per head
+            constraint = (alpha - _mean_over_heads(alpha, dim=1)).abs().sum(dim=(0, 2))
+            n_layers, n_heads = self.config.num_layers, self.config.num_query_groups
+            # Normalised per decision like Eq. 10; the loop weights loss terms by the b * n tokens.
+            query = AttachLoss.apply(query, constraint.sum(), 1.0 / (n_layers * n_heads))
         if st.tracker is not None:
-            alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, count_stats=self.training)
+            alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, count_stats=self.training,
+                                      constraint=constraint)
         self.core_attention.pending = (alpha, omega.permute(1, 2, 0))
-        return query * keep, key * keep, value
+        return query, key, value
 
-    def _alpha(self, logit: torch.Tensor) -> torch.Tensor:
+    def _alpha(self, logit: torch.Tensor, shared_noise: bool = False) -> torch.Tensor:
         """Accumulate probabilities ``[s, b, g]`` from logits (module docstring), in fp32."""
         if self.training:
             u = torch.rand((2, *self._noise_shape(logit)), generator=self._noise_generator(), dtype=torch.float32)
             u = u.clamp_(1e-10, 1 - 1e-7)
             gumbel = -torch.log(-torch.log(u))  # [2, s, b, groups]: g1, g2 for every KV head of the model
+            noise = gumbel[0] - gumbel[1]
             lo = self.head_offset
-            noise = (gumbel[0] - gumbel[1])[..., lo: lo + logit.shape[-1]].to(logit.device)
-            return torch.sigmoid((logit + noise) / self.dmc.tau)
+            noise = noise[..., :1].expand_as(logit) if shared_noise else noise[..., lo: lo + logit.shape[-1]]
+            return torch.sigmoid((logit + noise.to(logit.device)) / self.dmc.tau)
         hard = (logit > 0).to(logit.dtype)
         if not torch.is_grad_enabled() or not logit.requires_grad:
             return hard
@@ -121,6 +138,14 @@ class DMCSelfAttention(SelfAttention):
         m = st.tracker.active if st.tracker is not None else 0
         seed = hash((st.noise_seed, st.step, st.dp_rank, m, self.layer_number)) % (2 ** 63)
         return torch.Generator().manual_seed(seed)
+
+
+def _mean_over_heads(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Mean over all KV heads of the layer along ``dim`` (this rank holds a slice of them under TP),
+    broadcast back to the local heads; gradients reach every rank's heads."""
+    local = x.sum(dim=dim, keepdim=True)
+    total = copy_to_tensor_model_parallel_region(reduce_from_tensor_model_parallel_region(local))
+    return (total / (x.shape[dim] * parallel_state.get_tensor_model_parallel_world_size())).expand_as(x)
 
 
 def fixed_pooling_decisions(key: torch.Tensor, pool: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,121 @@
+"""Step time and peak memory of DMC training vs vanilla attention on the same model, measured in one run.
+
+    python benchmarks/dmc_train.py [--lengths 512 1024 2048 4096] [--steps 3] [--out docs/dmc_train.png]
+
+Model: the base_tiny shape (4 layers, hidden 256, 8 heads of 32) with a 512-token vocabulary (so the
+output layer does not dominate), one sequence per step, fp32, one process. For each sequence length
+and variant (vanilla SDPA; DMC with exact accumulation; DMC with the paper's window of 12) it times
+full optimizer steps (forward, backward, Adam; median of ``--steps`` after one warm-up) and the peak
+resident memory a step adds above the memory held before it (Linux VmHWM, reset before each step).
+Ratios are DMC / vanilla at the same length.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = {
+    "vanilla": ["method.name=none"],
+    "dmc_exact": ["method.name=dmc", "dmc.accumulation=exact"],
+    "dmc_window": ["method.name=dmc", "dmc.accumulation=window"],
+}
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def measure(trainer, steps: int) -> tuple[float, float]:
+    """(median step seconds, max peak bytes above the pre-step RSS) over ``steps`` steps after a warm-up."""
+    trainer.train_step()
+    times, peaks = [], []
+    for _ in range(steps):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        before = _status("VmRSS")
+        t0 = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - t0)
+        peaks.append(_status("VmHWM") - before)
+    return statistics.median(times), max(peaks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="also save a PNG of the ratios")
+    args = parser.parse_args()
+
+    import tempfile
+
+    import torch
+
+    from dmc_train.config import load_config
+    from dmc_train.training.loop import Trainer
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.lengths:
+            result = {"n": n}
+            for name, overrides in VARIANTS.items():
+                cfg = load_config([
+                    "+recipe=tiny_pretrain", "model=base_tiny", "model.vocab_size=512",
+                    f"model.max_position_embeddings={max(args.lengths)}", f"train.seq_length={n}",
+                    "train.micro_batch_size=1", "train.global_batch_size=1", "train.max_steps=100",
+                    "logging.progress=false", f"run_dir={tmp}/{name}_{n}", "checkpoint.resume=none",
+                    "dmc.target_cr=2", *overrides])
+                trainer = Trainer(cfg)
+                result[name] = measure(trainer, args.steps)
+                del trainer
+                print(f"  n={n:5d} {name:10s} step {result[name][0] * 1e3:8.1f} ms  "
+                      f"peak +{result[name][1] / 2**20:7.1f} MiB", flush=True)
+            rows.append(result)
+
+    print("\nseq len | vanilla ms | DMC exact ms (x) | DMC window ms (x) | vanilla MiB | DMC exact MiB (x) | "
+          "DMC window MiB (x)")
+    for r in rows:
+        v_t, v_m = r["vanilla"]
+        cells = [f"{r['n']:7d}", f"{v_t * 1e3:10.1f}"]
+        for name in ("dmc_exact", "dmc_window"):
+            cells.append(f"{r[name][0] * 1e3:8.1f} ({r[name][0] / v_t:.2f}x)")
+        cells.append(f"{v_m / 2**20:11.1f}")
+        for name in ("dmc_exact", "dmc_window"):
+            cells.append(f"{r[name][1] / 2**20:8.1f} ({r[name][1] / v_m:.2f}x)")
+        print(" | ".join(cells))
+    if args.out:
+        plot(rows, args.out)
+        print(f"plot: {args.out}")
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r["n"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for i, (ax, what) in enumerate(zip(axes, ("step time", "peak memory"))):
+        for name in ("dmc_exact", "dmc_window"):
+            ax.plot(lengths, [r[name][i] / r["vanilla"][i] for r in rows], marker="o", label=name)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(f"{what}: DMC / vanilla")
+        ax.legend()
+    fig.suptitle("DMC training vs vanilla attention (base_tiny shape, CPU, one run)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
