@@ -29,7 +29,9 @@ def main(cfg) -> None:
             for split in ("valid", "test"):
                 if f"{split}_ppl" in r:
                     uni = r.get(f"{split}_unigram_ppl")
+                    cr = r.get(f"{split}_achieved_cr")
                     print(f"  {split}: loss {r[f'{split}_loss']:.4f}  perplexity {r[f'{split}_ppl']:.2f}"
+                          + (f"  achieved CR {cr:.2f}" if cr else "")
                           + (f"  (unigram baseline {uni:.2f})" if uni else ""))
 
     cli.run_reporting_errors(run)

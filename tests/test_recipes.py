@@ -9,6 +9,9 @@ from dmc_train.distributed import ConfigError
 
 RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(RECIPES_DIR, "recipe")) if f.endswith(".yaml"))
 BIG = {"llama2_7b": (6.74e9, 8), "llama2_13b": (13.0e9, 8), "llama2_70b": (69.0e9, 64)}
+BIG.update({"dmc_7b": BIG["llama2_7b"], "dmc_13b": BIG["llama2_13b"], "dmc_70b": BIG["llama2_70b"],
+            "gqa_7b": (6.20e9, 8)})  # 16 KV heads instead of 32
+TOKENS_PER_STEP = 1024 * 4096
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -28,9 +31,26 @@ def test_big_recipes_carry_paper_settings(name):
     cfg = load_config([f"+recipe={name}", "data.prefixes=[x]"])
     o = cfg.optim
     assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad) == (0.9, 0.95, 1e-5, 0.1, 1.0)
-    assert o.lr == (1.5e-5 if name == "llama2_70b" else 3e-5) and o.schedule == "constant"
+    assert o.lr == (1.5e-5 if name.endswith("70b") else 3e-5) and o.schedule == "constant"
     assert (cfg.train.global_batch_size, cfg.train.seq_length, cfg.train.precision) == (1024, 4096, "bf16")
     assert count_parameters(cfg.model) == pytest.approx(BIG[name][0], rel=0.005)
+
+
+@pytest.mark.parametrize("name", ["dmc_7b", "dmc_13b", "dmc_70b", "gqa_7b"])
+def test_retrofit_recipes_follow_the_paper_schedule(name):
+    cfg = load_config([f"+recipe={name}", "data.prefixes=[x]"])
+    d, steps = cfg.dmc, cfg.train.max_steps
+    assert steps * TOKENS_PER_STEP == pytest.approx(33e9, rel=0.01)  # 1B zero-out + 24B ramp + 8B finetune
+    if name.startswith("dmc"):
+        assert cfg.method.name == "dmc" and d.target_cr == 2.0
+        assert d.zero_out_steps * TOKENS_PER_STEP == pytest.approx(1e9, rel=0.05)
+        assert d.ramp_steps * TOKENS_PER_STEP == pytest.approx(24e9, rel=0.001)
+        assert d.finetune_steps * TOKENS_PER_STEP == pytest.approx(8e9, rel=0.001)
+        assert d.zero_out_steps + d.ramp_steps + d.finetune_steps == steps
+    else:
+        assert cfg.method.name == "none" and cfg.model.num_query_groups == 16
+    if name == "dmc_70b":
+        assert cfg.model.num_query_groups == 8  # GQA 8x + DMC 2x
 
 
 def test_unknown_key_is_rejected():

@@ -26,7 +26,8 @@ def resolve_checkpoint(cfg: Any) -> str:
 def evaluate_checkpoint(cfg: Any) -> dict:
     """Perplexity on every full global batch of the valid and test splits; writes ``eval.json``.
 
-    Returns ``{"checkpoint", "step", "<split>_loss", "<split>_ppl", "<split>_unigram_ppl"}``.
+    Returns ``{"checkpoint", "step", "<split>_loss", "<split>_ppl", "<split>_unigram_ppl"}`` and the
+    method's evaluation metrics per split (DMC: ``<split>_achieved_cr``, per layer and per head).
     """
     from dmc_train.training.loop import Trainer
 
@@ -48,6 +49,8 @@ def evaluate_checkpoint(cfg: Any) -> dict:
             continue
         loss = trainer.evaluate(data, batches=-1)["lm_loss"]
         result[f"{split}_loss"], result[f"{split}_ppl"] = loss, math.exp(loss)
+        for key, value in trainer.method.evaluation_metrics().items():  # e.g. DMC's achieved CR
+            result[f"{split}_{key}"] = value
         if cfg.data.kind == "indexed" and len(prefixes) == 1 and len(cfg.data.prefixes) == 1:
             from dmc_train.data.unigram import prefix_unigram_perplexity
 

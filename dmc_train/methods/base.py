@@ -44,6 +44,10 @@ class Method:
         """Called after the optimizer step; returns metrics to log."""
         return {}
 
+    def evaluation_metrics(self) -> dict:
+        """After an evaluation pass (collective): facts about it, e.g. the achieved compression."""
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 

@@ -78,13 +78,12 @@ class CRLossTracker:
         if self._done[m] == self.num_chunks and self.group is not None:
             self._pending[m] = dist.all_reduce(self._sums(m), group=self.group, async_op=True)
 
-    def record(self, alpha: torch.Tensor, layer: int, head_offset: int, count_stats: bool = True,
+    def record(self, alpha: torch.Tensor, layer: int, head_offset: int,
                constraint: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Account for one layer's alphas ``[b, h_kv_local, n]`` (first token already 0).
 
         ``layer``: 0-based global layer index; ``head_offset``: global index of the first local KV
-        head; ``count_stats``: add the hard decisions to the per-head statistics (training passes);
-        ``constraint``: the DMC-C term per local head ``[h_kv_local]`` (value only, for logging).
+        head; ``constraint``: the DMC-C term per local head ``[h_kv_local]`` (value only, for logging).
         Returns ``alpha`` unchanged, wired to receive the CR-loss gradient in backward.
         """
         m = self.active
@@ -99,9 +98,8 @@ class CRLossTracker:
         if constraint is not None:
             sums[heads, CONSTRAINT] += constraint.detach().double()
         self._tokens[m] = b * n
-        if count_stats:
-            self.stats[layer, heads, 0] += (1 - hard).sum(dim=(0, 2))
-            self.stats[layer, heads, 1] += b * n
+        self.stats[layer, heads, 0] += (1 - hard).sum(dim=(0, 2))
+        self.stats[layer, heads, 1] += b * n
         if alpha.requires_grad:
             return _InjectCRGradient.apply(alpha, self, m, head_offset)
         return alpha

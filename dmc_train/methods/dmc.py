@@ -141,6 +141,7 @@ class DMCMethod(Method):
 
     def before_step(self, step: int, model_chunks) -> None:
         self.tracker.drain()
+        self.tracker.stats.zero_()  # forget decisions counted by an evaluation since the last step
         self.state.step = step
         stage, value = self.stage(step)
         if stage == "zero_out":
@@ -190,6 +191,11 @@ class DMCMethod(Method):
         summary = achieved_cr(stats)
         return {**metrics, "cr": summary["achieved_cr"], "cr_layers": summary["achieved_cr_per_layer"]}
 
+    def evaluation_metrics(self) -> dict:
+        """Achieved CR of the evaluation pass just run (hard decisions, as at inference)."""
+        self.tracker.drain()
+        return achieved_cr(self.tracker.reduce_stats())
+
     def checkpoint_metadata(self, model_chunks) -> dict:
         stage, value = self.stage(self.state.step)
         meta = {"stage": stage, "target_cr": value if stage != "zero_out" else 1.0}
@@ -221,4 +227,5 @@ class FixedPoolingMethod(DMCMethod):
 
     def before_step(self, step: int, model_chunks) -> None:
         self.tracker.drain()
+        self.tracker.stats.zero_()
         self.state.step = step

@@ -82,7 +82,7 @@ class DMCSelfAttention(SelfAttention):
         if st.phase == "fixed":
             alpha, omega = fixed_pooling_decisions(key, st.pool)
             if st.tracker is not None:  # counts the decisions (achieved CR); no gradient
-                alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, count_stats=self.training)
+                alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset)
             self.core_attention.pending = (alpha, omega)
             return query, key, value
         keep = torch.ones(query.shape[-1], dtype=query.dtype, device=query.device)
@@ -108,8 +108,7 @@ class DMCSelfAttention(SelfAttention):
             # Normalised per decision like Eq. 10; the loop weights loss terms by the b * n tokens.
             query = AttachLoss.apply(query, constraint.sum(), 1.0 / (n_layers * n_heads))
         if st.tracker is not None:
-            alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, count_stats=self.training,
-                                      constraint=constraint)
+            alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, constraint=constraint)
         self.core_attention.pending = (alpha, omega.permute(1, 2, 0))
         return query, key, value
 

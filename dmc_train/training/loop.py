@@ -287,6 +287,8 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
             if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
                 t_eval = time.perf_counter()
                 metrics["val_loss"] = trainer.evaluate()["lm_loss"]
+                if "achieved_cr" in (val := trainer.method.evaluation_metrics()):
+                    metrics["val_cr"] = val["achieved_cr"]
                 not_training += time.perf_counter() - t_eval
             history.append(metrics)
             if trainer.step % cfg.train.log_interval == 0 or trainer.step == stop_at:
