@@ -28,7 +28,7 @@ omega ``[b, groups/TP, s]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -62,7 +62,6 @@ class DMCState:
     step: int = 0
     dp_rank: int = 0
     tracker: Optional[CRLossTracker] = None
-    zeroed_rows: bool = field(default=False)
 
 
 class DMCSelfAttention(SelfAttention):
@@ -114,10 +113,10 @@ class DMCSelfAttention(SelfAttention):
 
     def _alpha(self, logit: torch.Tensor, shared_noise: bool = False) -> torch.Tensor:
         """Accumulate probabilities ``[s, b, g]`` from logits (module docstring), in fp32."""
-        if self.training:
-            u = torch.rand((2, *self._noise_shape(logit)), generator=self._noise_generator(), dtype=torch.float32)
-            u = u.clamp_(1e-10, 1 - 1e-7)
-            gumbel = -torch.log(-torch.log(u))  # [2, s, b, groups]: g1, g2 for every KV head of the model
+        if self.training:  # noise for all KV heads of the layer, so every TP layout sees the same values
+            shape = (2, *logit.shape[:2], self.config.num_query_groups)
+            u = torch.rand(shape, generator=self._noise_generator(), dtype=torch.float32).clamp_(1e-10, 1 - 1e-7)
+            gumbel = -torch.log(-torch.log(u))  # [2, s, b, groups]: g1, g2
             noise = gumbel[0] - gumbel[1]
             lo = self.head_offset
             noise = noise[..., :1].expand_as(logit) if shared_noise else noise[..., lo: lo + logit.shape[-1]]
@@ -128,14 +127,12 @@ class DMCSelfAttention(SelfAttention):
         soft = torch.sigmoid(logit)
         return hard + soft - soft.detach()  # straight-through
 
-    def _noise_shape(self, logit):
-        """Noise is drawn for all KV heads of the layer, so TP layouts see the same values."""
-        return (*logit.shape[:2], self.config.num_query_groups)
-
     def _noise_generator(self) -> torch.Generator:
+        """Seeded by (seed, step, data-parallel rank, micro-batch, layer): layout-independent, resumable."""
         st = self.dmc
-        m = st.tracker.active if st.tracker is not None else 0
-        seed = hash((st.noise_seed, st.step, st.dp_rank, m, self.layer_number)) % (2 ** 63)
+        seed = st.noise_seed
+        for part in (st.step, st.dp_rank, st.tracker.active if st.tracker is not None else 0, self.layer_number):
+            seed = (seed * 1_000_003 + part) % (2 ** 63)
         return torch.Generator().manual_seed(seed)
 
 
