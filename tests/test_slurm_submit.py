@@ -73,7 +73,7 @@ def run_script(script: str, tmp_path, **env) -> subprocess.CompletedProcess:
     slurm_env = {"SLURM_JOB_ID": "123", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[001-002]",
                  "SLURM_JOB_NAME": "job", "SLURM_CPUS_ON_NODE": "16", **env}
     return subprocess.run(["bash", str(path)], env={**os.environ, **slurm_env}, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=600)  # a real training run inside; slow when the machine is shared
 
 
 @pytest.mark.parametrize("array", [None, "0-3"])
