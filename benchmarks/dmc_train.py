@@ -4,15 +4,18 @@
 
 Model: the base_tiny shape (4 layers, hidden 256, 8 heads of 32) with a 512-token vocabulary (so the
 output layer does not dominate), one sequence per step, fp32, one process. For each sequence length
-and variant (vanilla SDPA; DMC with exact accumulation; DMC with the paper's window of 12) it times
-full optimizer steps (forward, backward, Adam; median of ``--steps`` after one warm-up) and the peak
-resident memory a step adds above the memory held before it (Linux VmHWM, reset before each step).
-Ratios are DMC / vanilla at the same length.
+and variant (vanilla SDPA; DMC with exact accumulation; DMC with the paper's window of 12) a fresh
+process times full optimizer steps (forward, backward, Adam; median of ``--steps`` after one warm-up)
+and records the peak resident memory a step adds above the memory held before it (Linux VmHWM, reset
+before each step; glibc's mmap threshold is fixed at 64 KiB so freed tensors leave the resident set
+and every step's peak is seen). Ratios are DMC / vanilla at the same length.
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -45,38 +48,48 @@ def measure(trainer, steps: int) -> tuple[float, float]:
     return statistics.median(times), max(peaks)
 
 
+def worker(n: int, variant: str, steps: int, max_len: int) -> None:
+    """One (length, variant) in this process; prints ``{"seconds": ..., "peak_bytes": ...}``."""
+    import tempfile
+
+    from dmc_train.config import load_config
+    from dmc_train.training.loop import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config([
+            "+recipe=tiny_pretrain", "model=base_tiny", "model.vocab_size=512",
+            f"model.max_position_embeddings={max_len}", f"train.seq_length={n}", "train.micro_batch_size=1",
+            "train.global_batch_size=1", "train.max_steps=100", "logging.progress=false", f"run_dir={tmp}/run",
+            "checkpoint.resume=none", "dmc.target_cr=2", *VARIANTS[variant]])
+        seconds, peak = measure(Trainer(cfg), steps)
+    print(json.dumps({"seconds": seconds, "peak_bytes": peak}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None, help="also save a PNG of the ratios")
+    parser.add_argument("--worker", nargs=2, metavar=("N", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return worker(int(args.worker[0]), args.worker[1], args.steps, max(args.lengths))
 
-    import tempfile
-
-    import torch
-
-    from dmc_train.config import load_config
-    from dmc_train.training.loop import Trainer
-
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in args.lengths:
-            result = {"n": n}
-            for name, overrides in VARIANTS.items():
-                cfg = load_config([
-                    "+recipe=tiny_pretrain", "model=base_tiny", "model.vocab_size=512",
-                    f"model.max_position_embeddings={max(args.lengths)}", f"train.seq_length={n}",
-                    "train.micro_batch_size=1", "train.global_batch_size=1", "train.max_steps=100",
-                    "logging.progress=false", f"run_dir={tmp}/{name}_{n}", "checkpoint.resume=none",
-                    "dmc.target_cr=2", *overrides])
-                trainer = Trainer(cfg)
-                result[name] = measure(trainer, args.steps)
-                del trainer
-                print(f"  n={n:5d} {name:10s} step {result[name][0] * 1e3:8.1f} ms  "
-                      f"peak +{result[name][1] / 2**20:7.1f} MiB", flush=True)
-            rows.append(result)
+    for n in args.lengths:
+        result = {"n": n}
+        for name in VARIANTS:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(n), name, "--steps", str(args.steps),
+                   "--lengths", *map(str, args.lengths)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"error: {name} at n={n} failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            result[name] = (r["seconds"], r["peak_bytes"])
+            print(f"  n={n:5d} {name:10s} step {r['seconds'] * 1e3:8.1f} ms  peak +{r['peak_bytes'] / 2**20:7.1f} MiB",
+                  flush=True)
+        rows.append(result)
 
     print("\nseq len | vanilla ms | DMC exact ms (x) | DMC window ms (x) | vanilla MiB | DMC exact MiB (x) | "
           "DMC window MiB (x)")
