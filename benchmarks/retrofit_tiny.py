@@ -112,11 +112,11 @@ def plot(rows, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     families = {"dmc": "DMC", "gqa": "GQA", "pool": "Fixed Memory Pooling"}
-    base_ppl = rows[0][2]["test_ppl"]
+    ax.axhline(rows[0][2]["test_ppl"], color="gray", ls="--", lw=1, label="base model (no extra training)")
     for prefix, label in families.items():
         pts = sorted((cr, ev["test_ppl"]) for name, cr, ev in rows if name.startswith(prefix))
         if pts:
-            ax.plot([1.0] + [p[0] for p in pts], [base_ppl] + [p[1] for p in pts], marker="o", label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("KV-cache compression (achieved on test)")
     ax.set_ylabel("test perplexity")
     ax.set_title("Retrofitting base_tiny (3.3M tokens each)", fontsize=10)
