@@ -205,44 +205,54 @@ def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, co
     root = checkpoint_root(cfg)
     final = os.path.join(root, iter_name(step))
     tmp = final + ".tmp"
+    _write_sharded(_sharded_state(model, optimizer, scheduler, method, step, consumed, False), tmp)
     if is_rank0():
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed write
-        os.makedirs(tmp)
-    barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, method, step, consumed, False), tmp)
-    barrier()
-    if is_rank0():
-        meta = {
-            "step": step,
-            "consumed_samples": consumed,
-            "layout": {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-                       "virtual_pipeline": cfg.parallel.virtual_pipeline,
-                       "distributed_optimizer": cfg.parallel.distributed_optimizer,
-                       "world_size": world_size()},
-            "method": cfg.method.name,
-            **(extra_meta or {}),
-            "config": OmegaConf.to_container(cfg, resolve=True),
-        }
-        OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
+        meta = _meta(cfg, step, consumed, cfg.parallel.distributed_optimizer, extra_meta)
         method.write_artifacts(tmp, meta)
-        _finalize(root, tmp, final, meta)
+        _publish(cfg, tmp, final, meta)
+        pointer = os.path.join(root, LATEST + ".tmp")
+        with open(pointer, "w") as f:
+            f.write(os.path.basename(final))
+        os.replace(pointer, os.path.join(root, LATEST))
         _prune(root, cfg.checkpoint.keep_last)
     barrier()
     return final
 
 
-def _finalize(root: str, tmp: str, final: str, meta: dict) -> None:
+def _write_sharded(state: dict, tmp: str) -> None:
+    """All ranks: ``dist_checkpointing.save`` into a fresh directory ``tmp`` (a crashed write's is removed)."""
+    if is_rank0():
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    dist_checkpointing.save(state, tmp)
+    barrier()
+
+
+def _meta(cfg: Any, step: int, consumed: int, distributed_optimizer: bool, extra_meta: Optional[dict]) -> dict:
+    return {
+        "step": step,
+        "consumed_samples": consumed,
+        "layout": {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
+                   "virtual_pipeline": cfg.parallel.virtual_pipeline,
+                   "distributed_optimizer": distributed_optimizer, "world_size": world_size()},
+        "method": cfg.method.name,
+        **(extra_meta or {}),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def _publish(cfg: Any, tmp: str, final: str, meta: dict) -> None:
+    """Rank 0: complete ``tmp`` (config.yaml, then meta.json, the completeness marker) and rename it
+    to ``final``, replacing an existing ``final`` only once the new one is complete."""
+    OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
     with open(os.path.join(tmp, META), "w") as f:
         json.dump(meta, f, indent=1)
     if os.path.exists(final):  # re-saving the same step: move the old one out of the way first
         shutil.rmtree(final + ".old", ignore_errors=True)
         os.rename(final, final + ".old")
     os.rename(tmp, final)
-    pointer = os.path.join(root, LATEST + ".tmp")
-    with open(pointer, "w") as f:
-        f.write(os.path.basename(final))
-    os.replace(pointer, os.path.join(root, LATEST))
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 
@@ -354,26 +364,9 @@ def save_weights(cfg: Any, model_chunks: list, out: str, extra_meta: Optional[di
     existing ``out`` is replaced only by a complete checkpoint."""
     out = os.path.abspath(out)
     tmp = out + ".tmp"
+    _write_sharded({_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)},
+                   tmp)
     if is_rank0():
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
-    state = {_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
-    dist_checkpointing.save(state, tmp)
-    barrier()
-    if is_rank0():
-        meta = {"step": 0, "consumed_samples": 0, "weights_only": True,
-                "layout": {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-                           "virtual_pipeline": cfg.parallel.virtual_pipeline, "distributed_optimizer": False,
-                           "world_size": world_size()},
-                "method": cfg.method.name, **(extra_meta or {}), "config": OmegaConf.to_container(cfg, resolve=True)}
-        OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(meta, f, indent=1)
-        if os.path.exists(out):
-            shutil.rmtree(out + ".old", ignore_errors=True)
-            os.rename(out, out + ".old")
-        os.rename(tmp, out)
-        shutil.rmtree(out + ".old", ignore_errors=True)
+        _publish(cfg, tmp, out, _meta(cfg, 0, 0, False, {"weights_only": True, **(extra_meta or {})}))
     barrier()
     return out

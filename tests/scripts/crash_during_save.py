@@ -25,7 +25,7 @@ def main(run_dir: str, mode: str) -> None:
             child.kill()
         os._exit(9)
 
-    real_save, real_finalize = checkpointing.dist_checkpointing.save, checkpointing._finalize
+    real_save, real_publish = checkpointing.dist_checkpointing.save, checkpointing._publish
 
     def crash_in_write(state, path, *a, **k):
         real_save(state, path, *a, **k)
@@ -35,17 +35,17 @@ def main(run_dir: str, mode: str) -> None:
                 f.truncate(10)
             die()
 
-    def crash_before_rename(root, tmp, final, meta):
+    def crash_before_rename(cfg, tmp, final, meta):
         if final.endswith("iter_0000002"):
             with open(os.path.join(tmp, checkpointing.META), "w") as f:
                 f.write("{}")
             die()
-        real_finalize(root, tmp, final, meta)
+        real_publish(cfg, tmp, final, meta)
 
     if mode == "during_write":
         checkpointing.dist_checkpointing.save = crash_in_write
     else:
-        checkpointing._finalize = crash_before_rename
+        checkpointing._publish = crash_before_rename
     train(load_config(["+recipe=tiny_pretrain", f"run_dir={run_dir}", "train.max_steps=3",
                        "checkpoint.save_interval=1", "train.eval_interval=0", "logging.progress=false"]))
 
