@@ -24,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from dmc_train import cli, distributed
-    from dmc_train.distributed import ConfigError
+    from dmc_train.errors import ConfigError
     from dmc_train.methods.gqa import convert_checkpoint
 
     def run():

@@ -10,19 +10,9 @@ import os
 import sys
 from typing import Callable
 
+from dmc_train.errors import TrainingDiverged, UserError, one_line
+
 EXIT_USER_ERROR = 2
-
-
-def one_line(exc: BaseException) -> str:
-    """Flatten an exception (and the OmegaConf/Hydra cause chain) into one line."""
-    parts, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        if text and text not in parts:
-            parts.append(text)
-        exc = exc.__cause__ or exc.__context__
-    return "; ".join(parts) or "unknown error"
 
 
 def precheck(argv: list[str], config_name: str = "config") -> None:
@@ -47,14 +37,9 @@ def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
 
 def run_reporting_errors(fn: Callable[[], None]) -> None:
     """Run ``fn``; user-facing errors (bad config, bad checkpoint) end in one line and exit code 2."""
-    from dmc_train.data.errors import DataError
-    from dmc_train.distributed import ConfigError
-    from dmc_train.training.checkpointing import CheckpointError
-    from dmc_train.training.loop import TrainingDiverged
-
     try:
         fn()
-    except (ConfigError, CheckpointError, DataError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         fail(str(e))
     except TrainingDiverged as e:
         fail(str(e), EXIT_DIVERGED)

@@ -1,7 +1,10 @@
-"""The typed config schema. Registered in Hydra's ConfigStore as ``schema``; recipes compose on top.
+"""The typed config schema, and the checks of the values a type cannot express.
 
-Unknown keys, wrong types and invalid values fail at load time (Hydra's structured-config check plus
-``validate``) with a one-line message naming the field and the allowed values.
+Registered in Hydra's ConfigStore as ``schema`` by :mod:`dmc_train.recipes`, which composes recipes
+on top. Unknown keys, wrong types and invalid values fail at load time (Hydra's structured-config
+check plus ``validate``) with a one-line message naming the field and the allowed values. Each
+method's own settings (the ``method`` node) are defined and checked with the method
+(:mod:`dmc_train.methods.configs`). This module imports neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from dmc_train.distributed import ConfigError
+from dmc_train.errors import ConfigError
 
 
 @dataclass
@@ -31,9 +34,6 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
 
-    @property
-    def groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
 
 
 @dataclass
@@ -72,7 +72,6 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     recompute: str = "none"  # none | selective | full
     max_nonfinite_steps: int = 5  # stop after this many consecutive steps with a NaN/Inf loss or gradient
-    inject_nonfinite_at: list[int] = field(default_factory=list)  # testing: steps whose loss is made NaN
     eval_interval: int = 0  # 0 = never
     eval_iters: int = 2
     log_interval: int = 1
@@ -108,31 +107,6 @@ class LoggingConfig:
 
 
 @dataclass
-class MethodConfig:
-    name: str = "none"  # none | dmc | fixed_pooling (registered in dmc_train/methods/)
-
-
-@dataclass
-class DMCConfig:
-    """DMC retrofitting (METHODS.md §1); used by ``method.name=dmc`` (and ``fixed_pooling``)."""
-
-    target_cr: float = 2.0  # compression ratio reached at the end of the ramp (>= 1)
-    decision_channel: str = "last"  # last (released code) | first (paper)
-    init_offset: float = 5.0  # c0: alpha logit = k[c] - c0, omega = sigmoid(q[c] + c0)
-    tau: float = 0.1  # Gumbel-sigmoid temperature in training
-    accumulation: str = "exact"  # exact (full recurrence = inference) | window (paper, w tokens)
-    window: int = 12
-    attention_impl: str = "auto"  # auto | fused_cpu | blocked (dmc_ops.dmc_attention)
-    cr_loss: str = "paper"  # paper (Eq. 10, soft alphas summed over the model) | released (per-head hard, ST)
-    variant: str = "dmc"  # dmc | c (DMC-C: Eq. 13 constraint) | hardc (decisions shared per layer)
-    zero_out_steps: int = 0  # stage 1 (Eq. 12); 0 = skip (decision channel already unused)
-    zero_out_fraction: float = 1.0  # anneal over this fraction of stage 1 (released code: 0.8)
-    ramp_steps: int = 0  # stage 2: target CR rises linearly from 1 to target_cr
-    finetune_steps: int = 0  # stage 3: fixed CR, cosine LR down to finetune_min_lr_ratio
-    finetune_min_lr_ratio: float = 0.1
-
-
-@dataclass
 class Config:
     run_name: str = "run"
     run_dir: str = "runs/${run_name}"
@@ -143,31 +117,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    dmc: DMCConfig = field(default_factory=DMCConfig)
-
-
-RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
-
-
-def register_schema() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="schema", node=Config)
-
-
-def load_config(overrides: list[str], config_name: str = "config") -> Any:
-    """Compose ``recipes/<config_name>.yaml`` with Hydra overrides (``+recipe=tiny_pretrain``, ``a.b=1``).
-
-    The programmatic twin of ``launch/pretrain.py``'s command line, for tests, tools and benchmarks.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=RECIPES_DIR, version_base=None):
-        return compose(config_name=config_name, overrides=list(overrides))
+    # One structured config per method, chosen with the Hydra group ``method`` (``method=dmc``);
+    # the nodes live with the methods (dmc_train/methods/configs.py).
+    method: Any = MISSING
 
 
 _CHOICES = {
@@ -177,19 +129,16 @@ _CHOICES = {
     "data.kind": ("synthetic", "indexed"),
 }
 
-# Features megatron-core offers only with CUDA / Transformer Engine (see DESIGN.md).
-GPU_ONLY = ("context parallel, the Transformer Engine spec, RoPE fusion, gradient accumulation fusion, "
-            "CUDA graphs, optimizer CPU offload, FSDP, the MoE all-to-all dispatcher")
-
-
-def validate(cfg: Any, world_size: int) -> None:
-    """Check values Hydra's type check cannot; raise ConfigError (one line) on the first problem."""
+def validate(cfg: Any, world_size: int) -> ParallelLayout:
+    """Check values Hydra's type check cannot (all but the method's own node, which
+    :func:`dmc_train.methods.validate_method` checks); raise ConfigError (one line) on the first
+    problem. Returns the parallel layout on ``world_size`` processes."""
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    groups = m.num_query_groups or m.num_attention_heads
+    groups = kv_groups(m)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
                           f"model.num_attention_heads={m.num_attention_heads}")
@@ -199,8 +148,6 @@ def validate(cfg: Any, world_size: int) -> None:
     if t.seq_length > m.max_position_embeddings:
         raise ConfigError(f"train.seq_length={t.seq_length} exceeds "
                           f"model.max_position_embeddings={m.max_position_embeddings}")
-    from dmc_train.distributed import check_layout
-
     layout = check_layout(world_size, p.tensor, p.pipeline, p.virtual_pipeline, m.num_layers,
                           m.num_attention_heads, groups)
     per_step = t.micro_batch_size * layout.data
@@ -214,12 +161,48 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1")
     if t.max_steps < 1 and not t.max_tokens:
         raise ConfigError("set train.max_steps >= 1 or train.max_tokens")
-    if cfg.method.name in ("dmc", "fixed_pooling"):
-        from dmc_train.methods.dmc import validate_dmc
-
-        validate_dmc(cfg)
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
+    return layout
+
+
+def kv_groups(model: Any) -> int:
+    """Number of KV heads (query groups) of a model config: ``num_query_groups``, or the number of
+    attention heads for MHA (``num_query_groups: null``)."""
+    return model.num_query_groups or model.num_attention_heads
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A process layout: tensor x pipeline (x virtual stages per pipeline rank) x data parallel."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: Optional[int] = None
+    data: int = 1
+
+
+def check_layout(world_size: int, tp: int, pp: int, vpp: Optional[int], num_layers: int,
+                 num_heads: int, num_query_groups: int) -> ParallelLayout:
+    """Validate a parallel layout against the world size and the model; raise ConfigError in one line."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tensor={tp} and parallel.pipeline={pp} must be >= 1")
+    if num_heads % tp:
+        raise ConfigError(f"parallel.tensor={tp} does not divide model.num_attention_heads={num_heads}; "
+                          f"choose a tensor size that divides it")
+    if num_query_groups % tp:
+        raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={num_query_groups}; "
+                          f"choose a tensor size that divides it")
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
+            f"launch a multiple of {tp * pp} processes or change the layout")
+    stages = pp * (vpp or 1)
+    if num_layers % stages:
+        raise ConfigError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual stages = {stages}")
+    if vpp is not None and pp < 2:
+        raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline >= 2")
+    return ParallelLayout(tp, pp, vpp, world_size // (tp * pp))
 
 
 def num_microbatches(cfg: Any, data_parallel: int) -> int:

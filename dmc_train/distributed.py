@@ -19,9 +19,6 @@ import torch
 import torch.distributed as dist
 
 
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message is one line naming the cause and fix."""
-
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -151,37 +148,6 @@ def install_cpu_compat() -> bool:
 # --------------------------------------------------------------------------------------
 # Process groups
 # --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ParallelLayout:
-    tensor: int = 1
-    pipeline: int = 1
-    virtual_pipeline: int | None = None
-    data: int = 1
-
-
-def check_layout(world_size: int, tp: int, pp: int, vpp: int | None, num_layers: int,
-                 num_heads: int, num_query_groups: int) -> ParallelLayout:
-    """Validate a parallel layout against the world size and the model; raise ConfigError in one line."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tensor={tp} and parallel.pipeline={pp} must be >= 1")
-    if num_heads % tp:
-        raise ConfigError(f"parallel.tensor={tp} does not divide model.num_attention_heads={num_heads}; "
-                          f"choose a tensor size that divides it")
-    if num_query_groups % tp:
-        raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={num_query_groups}; "
-                          f"choose a tensor size that divides it")
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
-            f"launch a multiple of {tp * pp} processes or change the layout")
-    stages = pp * (vpp or 1)
-    if num_layers % stages:
-        raise ConfigError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual stages = {stages}")
-    if vpp is not None and pp < 2:
-        raise ConfigError("parallel.virtual_pipeline needs parallel.pipeline >= 2")
-    return ParallelLayout(tp, pp, vpp, world_size // (tp * pp))
-
-
 def initialize(layout_tp: int, layout_pp: int, layout_vpp: int | None, seed: int,
                timeout_minutes: int = 30) -> LaunchEnv:
     """Create the default process group and megatron's parallel groups; seed all RNGs.

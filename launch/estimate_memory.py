@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dmc_train.cli import EXIT_USER_ERROR, one_line  # noqa: E402
+from dmc_train.cli import EXIT_USER_ERROR
+from dmc_train.errors import one_line  # noqa: E402
 from dmc_train.cluster import memory  # noqa: E402
 from dmc_train.config import load_config  # noqa: E402
 

@@ -60,7 +60,7 @@ def parse_args(argv):
 def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from dmc_train.cli import fail
-    from dmc_train.data.errors import DataError
+    from dmc_train.errors import DataError
 
     t0 = time.time()
     try:

@@ -142,7 +142,7 @@ def test_per_split_prefixes(data, tmp_path):
 
 def test_errors_name_the_problem(data, tmp_path):
     from dmc_train.data.datasets import check_vocab_fits
-    from dmc_train.data.errors import DataError, MissingPrefixError
+    from dmc_train.errors import DataError, MissingPrefixError
 
     with pytest.raises(MissingPrefixError) as e:
         build([data["a"], str(tmp_path / "nowhere" / "train")], str(tmp_path))
@@ -172,7 +172,7 @@ def test_errors_name_the_problem(data, tmp_path):
 
 def test_prefix_made_with_another_tokenizer_is_refused(tmp_path):
     from dmc_train.data.datasets import build_gpt_datasets
-    from dmc_train.data.errors import DataError
+    from dmc_train.errors import DataError
     from dmc_train.data.prepare import prepare_corpus
     from dmc_train.data.tokenizer import train_sentencepiece
     from tests.test_data_tokenizer import tiny_docs

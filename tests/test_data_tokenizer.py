@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dmc_train.data.errors import DataError
+from dmc_train.errors import DataError
 from dmc_train.data.tokenizer import load_tokenizer, train_sentencepiece
 
 WORDS = ("king queen castle night sword crown love death ghost father mother brother sister lord lady "

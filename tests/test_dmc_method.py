@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dmc_train.config import load_config, validate
-from dmc_train.distributed import ConfigError
+from dmc_train.errors import ConfigError
 from dmc_train.methods.cr_loss import CRLossTracker
 from dmc_train.methods.dmc import dmc_stage, finetune_lr
 from dmc_train.methods.gqa import convert_qkv_weight

@@ -65,7 +65,7 @@ class Layout:
 
 def layout_of(cfg: Any, world_size: int) -> Layout:
     """The parallel layout of ``cfg`` on ``world_size`` GPUs (raises ConfigError if it does not fit)."""
-    from dmc_train.distributed import check_layout
+    from dmc_train.config import check_layout
 
     m, p = cfg.model, cfg.parallel
     lay = check_layout(world_size, p.tensor, p.pipeline, p.virtual_pipeline, m.num_layers,

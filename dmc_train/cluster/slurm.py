@@ -31,14 +31,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from dmc_train.errors import SubmitError
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE = os.path.join(ROOT, "launch", "slurm", "train.sbatch.tmpl")
 ARRAY_OVERRIDE = "++array_task_id"  # the override each array task receives
 DEFAULT_PORT_EXPR = "$(( 29500 + SLURM_JOB_ID % 1000 ))"  # distinct per job on shared nodes
-
-
-class SubmitError(ValueError):
-    """A bad option or config; the message is one line."""
 
 
 @dataclass
@@ -125,7 +123,7 @@ def _train_overrides(spec: JobSpec) -> list[str]:
 
 def check(spec: JobSpec) -> Any:
     """Compose the config the job will run and check it fits ``nodes x gpus_per_node``; return it."""
-    from dmc_train.cli import one_line
+    from dmc_train.errors import one_line
     from dmc_train.config import load_config, validate
 
     _check_options(spec)

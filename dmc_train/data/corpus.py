@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from dmc_train.data.errors import DataError
+from dmc_train.errors import DataError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DEFAULT_SUFFIXES = (".txt", ".jsonl", ".ndjson")

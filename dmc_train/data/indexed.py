@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from dmc_train.data import corpus
-from dmc_train.data.errors import DataError
+from dmc_train.errors import DataError
 from dmc_train.data.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "dmc_train.indexed/1"

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 
 from dmc_train.data import corpus
-from dmc_train.data.errors import DataError
+from dmc_train.errors import DataError
 from dmc_train.data.indexed import is_up_to_date, read_metadata, write_indexed_dataset
 from dmc_train.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, train_sentencepiece
 

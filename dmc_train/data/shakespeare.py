@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Callable
 
 from dmc_train.data import corpus
-from dmc_train.data.errors import DataError
+from dmc_train.errors import DataError
 from dmc_train.data.prepare import DEFAULT_SEED, DEFAULT_VOCAB_SIZE, build_prefix, train_or_reuse_tokenizer
 from dmc_train.data.tokenizer import file_sha256
 

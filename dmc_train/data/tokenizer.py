@@ -20,7 +20,7 @@ import re
 import shutil
 from collections.abc import Iterable, Iterator
 
-from dmc_train.data.errors import DataError
+from dmc_train.errors import DataError
 
 # Files that define a Hugging Face tokenizer (hashed for the fingerprint; weights are not).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",

@@ -71,7 +71,7 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def build_method(cfg: Any) -> Method:
-    from dmc_train.distributed import ConfigError
+    from dmc_train.errors import ConfigError
     from dmc_train.methods import dmc  # noqa: F401  (registers dmc, fixed_pooling)
 
     name = cfg.method.name

@@ -25,7 +25,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dmc_train.distributed import ConfigError
+from dmc_train.errors import ConfigError
 from dmc_train.methods.base import Method, register
 from dmc_train.methods.cr_loss import FORMS, CRLossTracker
 from dmc_train.models.dmc_attention import DMCCoreAttention, DMCSelfAttention, DMCState

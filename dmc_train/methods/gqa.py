@@ -14,7 +14,7 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from dmc_train.distributed import ConfigError
+from dmc_train.errors import ConfigError
 
 
 def check_groups(num_heads: int, groups_from: int, groups_to: int, tensor_parallel: int = 1) -> None:

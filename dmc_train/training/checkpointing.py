@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dmc_train.distributed import barrier, is_rank0, world_size
+from dmc_train.errors import CheckpointError
 
 # What a truncated or corrupt checkpoint raises: many Exception types from megatron/pickle, and
 # torch.distributed.checkpoint's CheckpointException, which derives from BaseException.
@@ -42,10 +43,6 @@ META = "meta.json"
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                       "num_query_groups", "vocab_size")
 DISTOPT_FORMAT = "dp_reshardable"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the checkpoint, the cause and the fix."""
 
 
 def checkpoint_root(cfg: Any) -> str:

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from dmc_train import config as config_mod
 from dmc_train import distributed
+from dmc_train.errors import TrainingDiverged
 from dmc_train.methods.base import Method, build_method
 from dmc_train.models.llama import build_model, count_parameters
 from dmc_train.training import checkpointing as ckpt_mod
@@ -56,10 +57,6 @@ def build_datasets(cfg: Any, num_train_samples: int):
         seq_length=cfg.train.seq_length, seed=cfg.train.seed,
         num_samples=(num_train_samples, None, None if d.test_prefixes else 0),
         tokenizer=d.tokenizer, cache_dir=d.cache_dir, model_vocab_size=cfg.model.vocab_size)
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive non-finite steps; the last good state was checkpointed."""
 
 
 class Trainer:

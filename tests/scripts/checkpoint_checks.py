@@ -42,7 +42,7 @@ def fixed_logits(trainer):
 
 def main(out_path: str, work: str) -> None:
     from dmc_train import distributed
-    from dmc_train.training.checkpointing import CheckpointError
+    from dmc_train.errors import CheckpointError
 
     res = {}
     full = run([f"run_dir={work}/full", "parallel.tensor=2"])

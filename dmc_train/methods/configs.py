@@ -1,0 +1,96 @@
+"""The structured config of every training method and its validation (no torch, no megatron).
+
+Each class is one option of the Hydra group ``method`` (``method=dmc`` on the command line, or
+``- override /method: dmc`` in a recipe's defaults); its fields are set as ``method.<field>=...``.
+``check`` raises a one-line :class:`~dmc_train.errors.ConfigError` for settings that cannot work,
+before any model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dmc_train.errors import ConfigError
+
+
+@dataclass
+class NoMethodConfig:
+    """Plain (continued) pre-training; also GQA up-training of a converted checkpoint."""
+
+    name: str = "none"
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        pass
+
+
+DECISION_CHANNELS = ("last", "first")
+ACCUMULATIONS = ("exact", "window")
+ATTENTION_IMPLS = ("auto", "fused_cpu", "blocked")
+CR_LOSS_FORMS = ("paper", "released")
+DMC_VARIANTS = ("dmc", "c", "hardc")
+
+
+@dataclass
+class DMCConfig:
+    """DMC retrofitting (docs/METHODS.md, DMC): decisions, accumulation, CR loss and schedule."""
+
+    name: str = "dmc"
+    target_cr: float = 2.0  # compression ratio reached at the end of the ramp (>= 1)
+    decision_channel: str = "last"  # last (released code) | first (paper)
+    init_offset: float = 5.0  # c0: alpha logit = k[c] - c0, omega = sigmoid(q[c] + c0)
+    tau: float = 0.1  # Gumbel-sigmoid temperature in training
+    accumulation: str = "exact"  # exact (full recurrence = inference) | window (paper, w tokens)
+    window: int = 12
+    attention_impl: str = "auto"  # auto | fused_cpu | blocked (kernels.dmc.dmc_attention)
+    cr_loss: str = "paper"  # paper (Eq. 10, soft alphas summed over the model) | released (per-head hard, ST)
+    variant: str = "dmc"  # dmc | c (DMC-C: Eq. 13 constraint) | hardc (decisions shared per layer)
+    zero_out_steps: int = 0  # stage 1 (Eq. 12); 0 = skip (decision channel already unused)
+    zero_out_fraction: float = 1.0  # anneal over this fraction of stage 1 (released code: 0.8)
+    ramp_steps: int = 0  # stage 2: target CR rises linearly from 1 to target_cr
+    finetune_steps: int = 0  # stage 3: fixed CR, cosine LR down to finetune_min_lr_ratio
+    finetune_min_lr_ratio: float = 0.1
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        d, m = cfg.method, cfg.model
+        head_dim = m.hidden_size // m.num_attention_heads
+        for key, allowed in (("decision_channel", DECISION_CHANNELS), ("accumulation", ACCUMULATIONS),
+                             ("attention_impl", ATTENTION_IMPLS), ("cr_loss", CR_LOSS_FORMS),
+                             ("variant", DMC_VARIANTS)):
+            if d[key] not in allowed:
+                raise ConfigError(f"method.{key}={d[key]!r} is not one of {', '.join(allowed)}")
+        if not d.target_cr >= 1:
+            raise ConfigError(f"method.target_cr={d.target_cr} must be >= 1 (1 = no compression)")
+        if d.window < 1:
+            raise ConfigError(f"method.window={d.window} must be >= 1")
+        if d.tau <= 0:
+            raise ConfigError(f"method.tau={d.tau} must be > 0")
+        if min(d.zero_out_steps, d.ramp_steps, d.finetune_steps) < 0:
+            raise ConfigError("method.zero_out_steps, method.ramp_steps and method.finetune_steps must be >= 0")
+        if not 0 < d.zero_out_fraction <= 1:
+            raise ConfigError(f"method.zero_out_fraction={d.zero_out_fraction} must be in (0, 1]")
+        if head_dim < 2:
+            raise ConfigError(f"DMC needs a head dimension >= 2 to free a decision channel; "
+                              f"model.hidden_size / model.num_attention_heads = {head_dim}")
+        if cfg.train.recompute != "none":
+            raise ConfigError(f"train.recompute={cfg.train.recompute!r} is not supported with DMC (its attention "
+                              f"is already O(n) in memory); set train.recompute=none")
+        if cfg.train.precision == "fp16":
+            raise ConfigError("train.precision=fp16 is not supported with DMC (loss scaling of the CR gradient); "
+                              "use bf16 or fp32")
+
+
+@dataclass
+class FixedPoolingConfig(DMCConfig):
+    """Fixed Memory Pooling, the DMC paper's ablation: average every ``target_cr`` tokens."""
+
+    name: str = "fixed_pooling"
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        DMCConfig.check(cfg)
+        if cfg.method.target_cr != int(cfg.method.target_cr):
+            raise ConfigError(f"fixed_pooling averages every method.target_cr tokens: it must be an integer, "
+                              f"got {cfg.method.target_cr}")
