@@ -22,9 +22,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {
-    "vanilla": ["method.name=none"],
-    "dmc_exact": ["method.name=dmc", "dmc.accumulation=exact"],
-    "dmc_window": ["method.name=dmc", "dmc.accumulation=window"],
+    "vanilla": ["method=none"],
+    "dmc_exact": ["method=dmc", "method.accumulation=exact"],
+    "dmc_window": ["method=dmc", "method.accumulation=window"],
 }
 
 
@@ -52,7 +52,7 @@ def worker(n: int, variant: str, steps: int, max_len: int) -> None:
     """One (length, variant) in this process; prints ``{"seconds": ..., "peak_bytes": ...}``."""
     import tempfile
 
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
     from dmc_train.training.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,7 +60,7 @@ def worker(n: int, variant: str, steps: int, max_len: int) -> None:
             "+recipe=tiny_pretrain", "model=base_tiny", "model.vocab_size=512",
             f"model.max_position_embeddings={max_len}", f"train.seq_length={n}", "train.micro_batch_size=1",
             "train.global_batch_size=1", "train.max_steps=100", "logging.progress=false", f"run_dir={tmp}/run",
-            "checkpoint.resume=none", "dmc.target_cr=2", *VARIANTS[variant]])
+            "checkpoint.resume=none", "method.target_cr=2", *VARIANTS[variant]])
         seconds, peak = measure(Trainer(cfg), steps)
     print(json.dumps({"seconds": seconds, "peak_bytes": peak}))
 

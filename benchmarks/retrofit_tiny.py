@@ -20,16 +20,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dmc_train.config import load_config  # noqa: E402
+from dmc_train.recipes import load_config  # noqa: E402
 
 BASE = "runs/base_tiny"
 RUNS = {
-    "dmc2": ["+recipe=dmc_tiny", "dmc.target_cr=2"],
-    "dmc4": ["+recipe=dmc_tiny", "dmc.target_cr=4"],
+    "dmc2": ["+recipe=dmc_tiny", "method.target_cr=2"],
+    "dmc4": ["+recipe=dmc_tiny", "method.target_cr=4"],
     "gqa2": ["+recipe=gqa_tiny", "model.num_query_groups=4"],
     "gqa4": ["+recipe=gqa_tiny", "model.num_query_groups=2"],
-    "pool2": ["+recipe=dmc_tiny", "method.name=fixed_pooling", "dmc.target_cr=2"],
-    "pool4": ["+recipe=dmc_tiny", "method.name=fixed_pooling", "dmc.target_cr=4"],
+    "pool2": ["+recipe=dmc_tiny", "method=fixed_pooling", "method.target_cr=2"],
+    "pool4": ["+recipe=dmc_tiny", "method=fixed_pooling", "method.target_cr=4"],
 }
 
 

@@ -17,7 +17,7 @@ EXIT_USER_ERROR = 2
 
 def precheck(argv: list[str], config_name: str = "config") -> None:
     """Compose the config from the command line's overrides; exit with one line if it is invalid."""
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
 
     overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
     try:

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dmc_train.cli import EXIT_USER_ERROR
 from dmc_train.errors import one_line  # noqa: E402
 from dmc_train.cluster import memory  # noqa: E402
-from dmc_train.config import load_config  # noqa: E402
+from dmc_train.recipes import load_config  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hydra  # noqa: E402
 
 from dmc_train import cli  # noqa: E402
-from dmc_train.config import register_schema  # noqa: E402
+from dmc_train.recipes import register_schema  # noqa: E402
 
 
 @hydra.main(config_path="../recipes", config_name="config", version_base=None)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from dmc_train.config import load_config, validate
-from dmc_train.errors import ConfigError
-from dmc_train.methods.cr_loss import CRLossTracker
-from dmc_train.methods.dmc import dmc_stage, finetune_lr
+from dmc_train.errors import ConfigError, one_line
+from dmc_train.methods.dmc import dmc_stage, finetune_lr_factor
+from dmc_train.models.dmc.cr_loss import CRLossTracker
+from dmc_train.recipes import load_config, validate
 from dmc_train.methods.gqa import convert_qkv_weight
 
 
@@ -95,7 +95,7 @@ def test_released_form_gradient_is_straight_through_per_head(target_cr):
 
 
 def test_attached_loss_joins_the_backward():
-    from dmc_train.methods.cr_loss import AttachLoss
+    from dmc_train.models.dmc.cr_loss import AttachLoss
 
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
@@ -108,35 +108,36 @@ def test_attached_loss_joins_the_backward():
 
 
 def _dmc_cfg(*overrides):
-    return load_config(["+recipe=tiny_pretrain", "method.name=dmc", *overrides])
+    return load_config(["+recipe=tiny_pretrain", "method=dmc", *overrides])
 
 
 def test_schedule_stages_and_finetune_lr():
-    cfg = _dmc_cfg("dmc.zero_out_steps=4", "dmc.ramp_steps=5", "dmc.finetune_steps=10", "dmc.target_cr=3",
-                   "optim.lr=1.0", "dmc.finetune_min_lr_ratio=0.1")
-    stages = [dmc_stage(cfg.dmc, s) for s in range(20)]
+    cfg = _dmc_cfg("method.zero_out_steps=4", "method.ramp_steps=5", "method.finetune_steps=10", "method.target_cr=3",
+                   "optim.lr=1.0", "method.finetune_min_lr_ratio=0.1")
+    stages = [dmc_stage(cfg.method, s) for s in range(20)]
     assert stages[:4] == [("zero_out", 1.0), ("zero_out", 0.75), ("zero_out", 0.5), ("zero_out", 0.25)]
     assert [v for _, v in stages[4:9]] == pytest.approx([1.4, 1.8, 2.2, 2.6, 3.0])
     assert {s for s, _ in stages[4:9]} == {"retrofit"} and stages[9:] == [("finetune", 3.0)] * 11
-    assert [finetune_lr(cfg, s) for s in (8, 9)] == [None, 1.0]
-    assert finetune_lr(cfg, 14) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
-    assert finetune_lr(cfg, 19) == pytest.approx(0.1) and finetune_lr(cfg, 40) == pytest.approx(0.1)
-    released = _dmc_cfg("dmc.zero_out_steps=10", "dmc.zero_out_fraction=0.8")
-    assert [dmc_stage(released.dmc, s)[1] for s in (4, 8, 9)] == [0.5, 0.0, 0.0]
+    factor = [finetune_lr_factor(cfg.method, s) for s in range(41)]
+    assert factor[:10] == [1.0] * 10  # the scheduler's LR until the finetune stage starts (step 9)
+    assert factor[14] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert factor[19] == pytest.approx(0.1) and factor[40] == pytest.approx(0.1)
+    released = _dmc_cfg("method.zero_out_steps=10", "method.zero_out_fraction=0.8")
+    assert [dmc_stage(released.method, s)[1] for s in (4, 8, 9)] == [0.5, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["dmc.target_cr=0.5"], "dmc.target_cr=0.5 must be >= 1"),
-    (["dmc.window=0"], "dmc.window=0 must be >= 1"),
+    (["method.target_cr=0.5"], "method.target_cr=0.5 must be >= 1"),
+    (["method.window=0"], "method.window=0 must be >= 1"),
     (["model.hidden_size=8"], "head dimension >= 2"),
-    (["dmc.decision_channel=middle"], "dmc.decision_channel='middle' is not one of last, first"),
-    (["dmc.accumulation=approx"], "dmc.accumulation='approx' is not one of exact, window"),
+    (["method.decision_channel=middle"], "method.decision_channel='middle' is not one of last, first"),
+    (["method.accumulation=approx"], "method.accumulation='approx' is not one of exact, window"),
     (["model.num_query_groups=2", "parallel.tensor=4"], "parallel.tensor=4 does not divide model.num_query_groups=2"),
     (["train.recompute=full"], "train.recompute='full' is not supported with DMC"),
     (["train.precision=fp16"], "fp16 is not supported with DMC"),
-    (["method.name=fixed_pooling", "dmc.target_cr=2.5"], "must be an integer"),
-    (["dmc.variant=soft"], "dmc.variant='soft' is not one of dmc, c, hardc"),
-    (["dmc.cr_loss=mine"], "dmc.cr_loss='mine' is not one of paper, released"),
+    (["method=fixed_pooling", "method.target_cr=2.5"], "must be an integer"),
+    (["method.variant=soft"], "method.variant='soft' is not one of dmc, c, hardc"),
+    (["method.cr_loss=mine"], "method.cr_loss='mine' is not one of paper, released"),
 ])
 def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
     cfg = _dmc_cfg(*overrides)
@@ -146,10 +147,9 @@ def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
 
 
 def test_unknown_method_is_rejected():
-    from dmc_train.methods.base import build_method
-
-    with pytest.raises(ConfigError, match="method.name='dmcc' is not one of dmc, fixed_pooling, none"):
-        build_method(load_config(["+recipe=tiny_pretrain", "method.name=dmcc"]))
+    with pytest.raises(Exception) as e:
+        load_config(["+recipe=tiny_pretrain", "method=dmcc"])
+    assert "method/dmcc" in one_line(e.value) and "dmc fixed_pooling none" in one_line(e.value)
 
 
 def _qkv(heads, groups, d=3, hidden=5, seed=0):

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from dmc_train.cluster import memory
-from dmc_train.config import load_config
+from dmc_train.recipes import load_config
 from helpers import ROOT, free_port, run_json
 
 BASE = ["train.precision=bf16", "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=1024"]
@@ -38,11 +38,14 @@ def test_llama2_7b_tp2_sp_distributed_optimizer_by_hand():
 
 @pytest.mark.parametrize("model, published", [("llama2_7b", 6.74e9), ("llama2_13b", 13.0e9), ("llama2_70b", 69.0e9)])
 def test_parameter_counts(model, published):
-    from dmc_train.models.llama import count_parameters
+    """The one formula (dmc_train.models.shape; tests/models/test_llama_weights.py checks it against a
+    built model) matches the published sizes and the checkpoint-size estimate."""
+    from dmc_train.models.shape import count_parameters
 
-    m = load_config([f"model={model}"]).model
-    assert memory.model_parameters(m) == count_parameters(m)
-    assert round(count_parameters(m) / 1e9, 2 if published < 1e10 else 1) == published / 1e9
+    cfg = load_config([f"model={model}", *BASE])
+    n = count_parameters(cfg.model)
+    assert round(n / 1e9, 2 if published < 1e10 else 1) == published / 1e9
+    assert memory.estimate_memory(cfg, 8)["checkpoint_model_bf16"] == 2 * n
 
 
 def test_pipeline_holds_one_model_of_activations_on_the_first_stage():

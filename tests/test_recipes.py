@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from dmc_train.config import RECIPES_DIR, load_config, validate
+from dmc_train.recipes import RECIPES_DIR, load_config, validate
 from dmc_train.errors import ConfigError
 
 RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(RECIPES_DIR, "recipe")) if f.endswith(".yaml"))
@@ -39,7 +39,7 @@ def test_big_recipes_carry_paper_settings(name):
 @pytest.mark.parametrize("name", ["dmc_7b", "dmc_13b", "dmc_70b", "gqa_7b"])
 def test_retrofit_recipes_follow_the_paper_schedule(name):
     cfg = load_config([f"+recipe={name}", "data.prefixes=[x]"])
-    d, steps = cfg.dmc, cfg.train.max_steps
+    d, steps = cfg.method, cfg.train.max_steps
     assert steps * TOKENS_PER_STEP == pytest.approx(33e9, rel=0.01)  # 1B zero-out + 24B ramp + 8B finetune
     if name.startswith("dmc"):
         assert cfg.method.name == "dmc" and d.target_cr == 2.0

@@ -244,7 +244,7 @@ def test_hydra_submitit_launcher_config_composes():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dmc_train.config import RECIPES_DIR, register_schema
+    from dmc_train.recipes import RECIPES_DIR, register_schema
 
     register_schema()
     GlobalHydra.instance().clear()

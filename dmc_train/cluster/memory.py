@@ -22,8 +22,10 @@ against ``torch.autograd.graph.saved_tensors_hooks`` on CPU (exact for TP=1, bf1
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
+
+from dmc_train.config import ParallelLayout, check_layout, kv_groups, num_microbatches
+from dmc_train.models.shape import count_parameters, layer_parameters
 
 GiB = 1024 ** 3
 
@@ -38,40 +40,17 @@ def _act_bytes(cfg: Any) -> int:
     return 4 if cfg.train.precision == "fp32" else 2
 
 
-def layer_parameters(m: Any) -> tuple[int, int]:
-    """(tensor-parallel-split, replicated) parameter counts of one transformer layer."""
-    hd = m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
-    attn = m.hidden_size * hd * (m.num_attention_heads + 2 * groups) + m.num_attention_heads * hd * m.hidden_size
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    return attn + mlp, 2 * m.hidden_size  # the two RMSNorm weights are replicated across TP
-
-
-def model_parameters(m: Any) -> int:
-    """Parameters of the whole model (equals ``dmc_train.models.llama.count_parameters``)."""
-    split, replicated = layer_parameters(m)
-    return 2 * m.vocab_size * m.hidden_size + m.num_layers * (split + replicated) + m.hidden_size
-
-
-@dataclass(frozen=True)
-class Layout:
-    tensor: int
-    pipeline: int
-    virtual: int  # 1 when not interleaved
-    data: int
-    sequence_parallel: bool
-    micro_batches: int  # per step per data-parallel rank
-
-
-def layout_of(cfg: Any, world_size: int) -> Layout:
-    """The parallel layout of ``cfg`` on ``world_size`` GPUs (raises ConfigError if it does not fit)."""
-    from dmc_train.config import check_layout
-
+def layout_of(cfg: Any, world_size: int) -> ParallelLayout:
+    """The parallel layout of ``cfg`` on ``world_size`` GPUs (raises ConfigError if it does not fit).
+    Sequence parallelism is read from ``cfg.parallel``, the micro-batch count from ``cfg.train``."""
     m, p = cfg.model, cfg.parallel
-    lay = check_layout(world_size, p.tensor, p.pipeline, p.virtual_pipeline, m.num_layers,
-                       m.num_attention_heads, m.num_query_groups or m.num_attention_heads)
-    micro = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * lay.data))
-    return Layout(lay.tensor, lay.pipeline, lay.virtual_pipeline or 1, lay.data, bool(p.sequence_parallel), micro)
+    return check_layout(world_size, p.tensor, p.pipeline, p.virtual_pipeline, m.num_layers,
+                        m.num_attention_heads, kv_groups(m))
+
+
+def _micro_batches(cfg: Any, lay: ParallelLayout) -> int:
+    """Micro-batches per step per data-parallel rank."""
+    return max(1, num_microbatches(cfg, lay.data))
 
 
 def layer_activation_bytes(cfg: Any, tp: int = 1, sequence_parallel: bool = False) -> int:
@@ -91,7 +70,7 @@ def layer_activation_bytes(cfg: Any, tp: int = 1, sequence_parallel: bool = Fals
     m, t = cfg.model, cfg.train
     s, b, e = t.seq_length, t.micro_batch_size, _act_bytes(cfg)
     h, f, a = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
-    g = m.num_query_groups or a
+    g = kv_groups(m)
     tokens = s * b
     norms = tokens * (2 * (NORM_SAVED_BYTES * h + 4) + 2 * e * h)
     attention = tokens * (e * h * 3 + e * h * 3 * g // a + 4 * a)
@@ -101,18 +80,19 @@ def layer_activation_bytes(cfg: Any, tp: int = 1, sequence_parallel: bool = Fals
     return (norms // tp if sequence_parallel else norms) + (attention + mlp) // tp + rope + weight_casts
 
 
-def _inflight_layer_microbatches(cfg: Any, lay: Layout, pipeline_rank: int) -> float:
+def _inflight_layer_microbatches(cfg: Any, lay: ParallelLayout, pipeline_rank: int) -> float:
     """Layer x micro-batch activation sets a pipeline rank holds at its peak (megatron 1F1B schedules)."""
-    layers_per_chunk = cfg.model.num_layers / (lay.pipeline * lay.virtual)
+    virtual = lay.virtual_pipeline or 1
+    layers_per_chunk = cfg.model.num_layers / (lay.pipeline * virtual)
     if lay.pipeline == 1:
         return cfg.model.num_layers
-    warmup = (lay.pipeline - pipeline_rank - 1) * (2 if lay.virtual > 1 else 1)
-    warmup += (lay.virtual - 1) * lay.pipeline
-    chunks = min(warmup + 1, lay.micro_batches * lay.virtual)
+    warmup = (lay.pipeline - pipeline_rank - 1) * (2 if virtual > 1 else 1)
+    warmup += (virtual - 1) * lay.pipeline
+    chunks = min(warmup + 1, _micro_batches(cfg, lay) * virtual)
     return chunks * layers_per_chunk
 
 
-def _stage(cfg: Any, lay: Layout, first: bool, last: bool, pipeline_rank: int) -> dict[str, int]:
+def _stage(cfg: Any, lay: ParallelLayout, first: bool, last: bool, pipeline_rank: int) -> dict[str, int]:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     split, replicated = layer_parameters(m)
     layers = m.num_layers // lay.pipeline
@@ -126,7 +106,7 @@ def _stage(cfg: Any, lay: Layout, first: bool, last: bool, pipeline_rank: int) -
     opt_params = math.ceil(params / lay.data) if p.distributed_optimizer else params
     optimizer = opt_params * ((4 if sixteen_bit else 0) + ADAM_STATE_BYTES)
 
-    e, tokens, sp = _act_bytes(cfg), t.seq_length * t.micro_batch_size, lay.sequence_parallel
+    e, tokens, sp = _act_bytes(cfg), t.seq_length * t.micro_batch_size, bool(p.sequence_parallel)
     per_layer = layer_activation_bytes(cfg, lay.tensor, sp)
     inflight = _inflight_layer_microbatches(cfg, lay, pipeline_rank)
     if t.recompute == "full":  # each layer keeps only its input; one layer is recomputed at a time
@@ -157,7 +137,7 @@ def estimate_memory(cfg: Any, world_size: int) -> dict[str, int]:
     if lay.pipeline > 1:
         stages.append(_stage(cfg, lay, first=False, last=True, pipeline_rank=lay.pipeline - 1))
     out = max(stages, key=lambda d: d["total"])
-    n = model_parameters(cfg.model)
+    n = count_parameters(cfg.model)
     sixteen_bit = cfg.train.precision != "fp32"
     out.update(checkpoint_model_bf16=2 * n, checkpoint_model_fp32=4 * n,
                checkpoint_with_optimizer=n * ((2 + 4) if sixteen_bit else 4) + n * ADAM_STATE_BYTES)
@@ -207,7 +187,7 @@ def markdown_row(cfg: Any, nodes: int, gpus: int) -> str:
     static = est["parameters"] + est["gradients"] + est["optimizer"]
     yes = lambda v: "yes" if v else "no"  # noqa: E731
     return (f"| {cfg.model.name} | {nodes}x{gpus} | {lay.tensor} | {lay.pipeline} | "
-            f"{p.virtual_pipeline or '-'} | {lay.data} | {yes(lay.sequence_parallel)} | "
+            f"{p.virtual_pipeline or '-'} | {lay.data} | {yes(p.sequence_parallel)} | "
             f"{yes(p.distributed_optimizer)} | {cfg.train.recompute} | {_gib(static)} | "
             f"{_gib(est['activations'])} | {_gib(est['optimizer_step_temp'])} | {_gib(est['total'])} |")
 
@@ -222,7 +202,7 @@ def doc_tables(load_config) -> str:
     for model in ("llama2_7b", "llama2_13b", "llama2_70b"):
         cfg = load_config([f"model={model}", *DOC_BASE])
         est = estimate_memory(cfg, 1)
-        lines.append(f"| {model} | {model_parameters(cfg.model) / 1e9:.2f}B | {_gib(est['checkpoint_model_bf16'])} | "
+        lines.append(f"| {model} | {count_parameters(cfg.model) / 1e9:.2f}B | {_gib(est['checkpoint_model_bf16'])} | "
                      f"{_gib(est['checkpoint_model_fp32'])} | {_gib(est['checkpoint_with_optimizer'])} |")
     return "\n".join(lines)
 
@@ -231,8 +211,8 @@ def describe(cfg: Any, world_size: int) -> str:
     """A human-readable breakdown (for ``launch/estimate_memory.py``)."""
     est, lay = estimate_memory(cfg, world_size), layout_of(cfg, world_size)
     head = (f"{cfg.model.name} on {world_size} GPUs: TP={lay.tensor} PP={lay.pipeline}"
-            f"{f' VPP={lay.virtual}' if lay.virtual > 1 else ''} DP={lay.data}"
-            f"{' SP' if lay.sequence_parallel else ''}; {cfg.train.precision}, seq {cfg.train.seq_length}, "
+            f"{f' VPP={lay.virtual_pipeline}' if lay.virtual_pipeline else ''} DP={lay.data}"
+            f"{' SP' if cfg.parallel.sequence_parallel else ''}; {cfg.train.precision}, seq {cfg.train.seq_length}, "
             f"micro-batch {cfg.train.micro_batch_size}, recompute={cfg.train.recompute}, "
             f"distributed optimizer={'on' if cfg.parallel.distributed_optimizer else 'off'}")
     keys = ("parameters", "gradients", "optimizer", "activations", "optimizer_step_temp", "total",

@@ -124,7 +124,7 @@ def _train_overrides(spec: JobSpec) -> list[str]:
 def check(spec: JobSpec) -> Any:
     """Compose the config the job will run and check it fits ``nodes x gpus_per_node``; return it."""
     from dmc_train.errors import one_line
-    from dmc_train.config import load_config, validate
+    from dmc_train.recipes import load_config, validate
 
     _check_options(spec)
     recipe_of(spec.overrides)

@@ -1,9 +1,8 @@
 """GQA up-training (Ainslie et al. 2023, METHODS.md §2): MHA -> G query groups by averaging K/V heads.
 
-megatron's fused ``linear_qkv.weight`` (TP=1) is ``[groups * (q_per_group + 2) * d, hidden]``: for
-every group its query heads, then its key head, then its value head (rows of ``d`` each). Query head
-``j`` belongs to group ``j // q_per_group``. Converting to fewer groups keeps every query head in
-place and replaces the key (value) heads of each new group by the mean of the old ones it merges.
+Converting to fewer groups keeps every query head in place and replaces the key (value) heads of
+each new group by the mean of the old ones it merges (query head ``j`` belongs to group
+``j // (heads/groups)``; the fused QKV layout is decoded by :mod:`dmc_train.models.llama_weights`).
 Compression of the KV cache = heads / groups.
 """
 
@@ -14,7 +13,9 @@ import os
 import torch
 from omegaconf import OmegaConf
 
+from dmc_train.config import kv_groups
 from dmc_train.errors import ConfigError
+from dmc_train.models.llama_weights import merge_qkv, split_qkv
 
 
 def check_groups(num_heads: int, groups_from: int, groups_to: int, tensor_parallel: int = 1) -> None:
@@ -32,14 +33,13 @@ def convert_qkv_weight(weight: torch.Tensor, num_heads: int, groups_from: int, g
     """``linear_qkv.weight [groups_from * (heads/groups_from + 2) * d, hidden]`` (full, TP=1) ->
     the same for ``groups_to`` groups, K/V heads averaged within each new group."""
     check_groups(num_heads, groups_from, groups_to)
-    per_from = num_heads // groups_from
-    d = weight.shape[0] // (groups_from * (per_from + 2))
-    w = weight.view(groups_from, per_from + 2, d, -1)
-    q = w[:, :per_from].reshape(groups_to, num_heads // groups_to, d, -1)
+    q, k, v = split_qkv(weight, num_heads, groups_from)
     merge = groups_from // groups_to
-    k = w[:, per_from].reshape(groups_to, merge, d, -1).mean(dim=1, dtype=torch.float64).to(weight.dtype)
-    v = w[:, per_from + 1].reshape(groups_to, merge, d, -1).mean(dim=1, dtype=torch.float64).to(weight.dtype)
-    return torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1).reshape(-1, weight.shape[-1])
+
+    def mean(x: torch.Tensor) -> torch.Tensor:  # consecutive old groups form a new one
+        return x.reshape(groups_to, merge, *x.shape[1:]).mean(dim=1, dtype=torch.float64).to(weight.dtype)
+
+    return merge_qkv(q, mean(k), mean(v))
 
 
 def convert_checkpoint(src: str, out: str, groups: int) -> str:
@@ -54,7 +54,7 @@ def convert_checkpoint(src: str, out: str, groups: int) -> str:
     meta = read_meta(src)
     cfg = OmegaConf.create(meta["config"])
     m = cfg.model
-    groups_from = m.num_query_groups or m.num_attention_heads
+    groups_from = kv_groups(m)
     check_groups(m.num_attention_heads, groups_from, groups)
     if os.path.abspath(out) == os.path.abspath(src):
         raise ConfigError(f"--output {out} is the input checkpoint; choose a new directory")

@@ -1,13 +1,14 @@
 """Llama on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE, GQA (``num_query_groups``), no biases,
 untied embeddings.
 
-The layer spec is ours (``llama_layer_spec``) so methods can swap the attention module: a method
-receives the spec and may replace ``submodules.self_attention`` or its ``core_attention``.
+The layer spec is ours (``llama_layer_spec``). An attention variant (e.g. :mod:`dmc_train.models.dmc`)
+is a ``ModuleSpec`` for ``self_attention`` that a method passes to ``build_model(cfg, attention=...)``;
+only this module assembles the spec.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, get_tr
 from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
 
+from dmc_train.config import kv_groups
 from dmc_train.models.attention import SDPACoreAttention
 from dmc_train.models.norm import RMSNorm
 
@@ -35,7 +37,7 @@ def transformer_config(cfg: Any) -> TransformerConfig:
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        num_query_groups=kv_groups(m),
         kv_channels=m.hidden_size // m.num_attention_heads,
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_epsilon,
@@ -89,14 +91,24 @@ class LlamaLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number=layer_number, vp_stage=vp_stage, **kwargs)
 
 
-def llama_layer_spec(core_attention: type = SDPACoreAttention, init_seed: int = 0) -> ModuleSpec:
-    """Transformer layer spec with our RMSNorm and a swappable core attention."""
+def llama_layer_spec(init_seed: int = 0, attention: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """Transformer layer spec with our RMSNorm and SDPA core attention.
+
+    ``attention`` replaces the ``self_attention`` module: its ``module`` and ``params`` are used with
+    the stock Llama submodules (fused QKV projection, core attention, output projection) unless it
+    brings its own ``submodules``.
+    """
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    stock = spec.submodules.self_attention
+    stock.submodules.core_attention = SDPACoreAttention
+    if attention is not None:
+        stock = ModuleSpec(module=attention.module, params={**stock.params, **attention.params},
+                           submodules=attention.submodules or stock.submodules)
     spec.module = LlamaLayer
     spec.params = {**spec.params, "init_seed": init_seed}
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    spec.submodules.self_attention.submodules.core_attention = core_attention
+    spec.submodules.self_attention = stock
     return spec
 
 
@@ -105,15 +117,13 @@ def block_spec(config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: Opti
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=RMSNorm)
 
 
-def build_model(cfg: Any, spec_hook: Optional[Callable[[ModuleSpec], ModuleSpec]] = None) -> list[GPTModel]:
+def build_model(cfg: Any, attention: Optional[ModuleSpec] = None) -> list[GPTModel]:
     """Build this rank's model chunks (one per virtual pipeline stage), unwrapped.
 
-    ``spec_hook`` lets a method rewrite the layer spec (e.g. DMC's attention module).
+    ``attention``: the ``self_attention`` spec of a method's attention variant (``llama_layer_spec``).
     """
     config = transformer_config(cfg)
-    layer_spec = llama_layer_spec(init_seed=cfg.train.seed)
-    if spec_hook is not None:
-        layer_spec = spec_hook(layer_spec)
+    layer_spec = llama_layer_spec(init_seed=cfg.train.seed, attention=attention)
     vpp = cfg.parallel.virtual_pipeline
     torch.manual_seed(cfg.train.seed)
     chunks = []
@@ -138,11 +148,6 @@ def build_model(cfg: Any, spec_hook: Optional[Callable[[ModuleSpec], ModuleSpec]
     return chunks
 
 
-def count_parameters(m: Any) -> int:
-    """Parameters of the full model (all ranks) computed from the shape: embeddings, layers, head."""
-    hd = m.hidden_size // m.num_attention_heads
-    groups = m.num_query_groups or m.num_attention_heads
-    attn = m.hidden_size * hd * (m.num_attention_heads + 2 * groups) + m.num_attention_heads * hd * m.hidden_size
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    layer = attn + mlp + 2 * m.hidden_size
-    return 2 * m.vocab_size * m.hidden_size + m.num_layers * layer + m.hidden_size
+# Parameters of the full model from its config: the one formula, torch-free (also used by
+# dmc_train.cluster.memory); re-exported here for existing callers.
+from dmc_train.models.shape import count_parameters  # noqa: E402,F401

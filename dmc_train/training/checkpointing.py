@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dmc_train.config import kv_groups
 from dmc_train.distributed import barrier, is_rank0, world_size
 from dmc_train.errors import CheckpointError
 
@@ -102,11 +103,10 @@ def resolve_resume(cfg: Any) -> Optional[tuple[str, dict]]:
 
 
 def check_model_shape(ckpt: str, meta: dict, cfg: Any) -> None:
-    saved = meta["config"]["model"]
+    saved = OmegaConf.create(meta["config"]["model"])
 
     def value(model, key):  # num_query_groups: null means MHA (groups = heads)
-        v = model.get(key)
-        return model.get("num_attention_heads") if key == "num_query_groups" and v is None else v
+        return kv_groups(model) if key == "num_query_groups" else model.get(key)
 
     diffs = [f"{k}: checkpoint {value(saved, k)} vs config {value(cfg.model, k)}"
              for k in MODEL_SHAPE_FIELDS if value(saved, k) != value(cfg.model, k)]

@@ -10,22 +10,21 @@ from __future__ import annotations
 import math
 import os
 import time
-from functools import partial
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from omegaconf import OmegaConf
 
 from dmc_train import config as config_mod
 from dmc_train import distributed
 from dmc_train.errors import TrainingDiverged
-from dmc_train.methods.base import Method, build_method
+from dmc_train.methods import build_method, validate_method
+from dmc_train.methods.base import Method
 from dmc_train.models.llama import build_model, count_parameters
 from dmc_train.training import checkpointing as ckpt_mod
-from dmc_train.training.batches import chunk_iterators, step_microbatches
+from dmc_train.training.forward import batch_losses, evaluate_loss, lm_forward_step, reduce_losses
 from dmc_train.training.logging import RunLogger
 from dmc_train.training.preemption import PreemptionHandler
 from dmc_train.training.setup import build_optimizer, build_scheduler, wrap_ddp
@@ -64,6 +63,7 @@ class Trainer:
 
     def __init__(self, cfg: Any, method: Optional[Method] = None):
         config_mod.validate(cfg, distributed.read_launch_env().world_size)
+        validate_method(cfg)
         self.env = distributed.initialize(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline,
                                           cfg.train.seed, cfg.parallel.timeout_minutes)
         cfg.run_dir = distributed.broadcast_object(cfg.run_dir)  # e.g. a ${now:...} run dir: rank 0's wins
@@ -77,7 +77,7 @@ class Trainer:
         # Data before the model: a missing prefix or a too-large vocabulary fails fast.
         self.train_data, self.valid_data, self.test_data = build_datasets(
             cfg, self.total_steps * cfg.train.global_batch_size)
-        chunks = build_model(cfg, spec_hook=self.method.layer_spec)
+        chunks = self.method.prepare_model(build_model(cfg, attention=self.method.attention()))
         self.model = wrap_ddp(cfg, chunks)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
@@ -92,40 +92,6 @@ class Trainer:
             self.optimizer.reload_model_params()
         self.method.attach(self)
 
-    # -- one micro-batch --------------------------------------------------------------------
-    def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return output, partial(self._loss, batch["loss_mask"], model)
-
-    def _loss(self, loss_mask: torch.Tensor, model, per_token_loss: torch.Tensor):
-        """``per_token_loss [b, s]`` -> (loss sum, token count, metrics) - megatron's per-token convention."""
-        mask = loss_mask.float()
-        lm_sum = (per_token_loss.float() * mask).sum()
-        if self.step + 1 in self.cfg.train.inject_nonfinite_at:  # fault injection for the NaN guard's tests
-            lm_sum = lm_sum * float("nan")
-        num_tokens = mask.sum()
-        total = lm_sum
-        metrics = {"lm_loss": torch.stack([lm_sum.detach(), num_tokens])}
-        for name, term in self.method.loss_terms(model).items():
-            total = total + term * num_tokens
-            metrics[name] = torch.stack([term.detach() * num_tokens, num_tokens])
-        return total, num_tokens.int(), metrics
-
-    # -- steps ------------------------------------------------------------------------------
-    def _run_schedule(self, dataset, consumed: int, forward_only: bool) -> list[dict]:
-        micro = step_microbatches(dataset, consumed, self.cfg.train.global_batch_size,
-                                  self.cfg.train.micro_batch_size, self.dp_rank, self.dp_size)
-        return get_forward_backward_func()(
-            forward_step_func=self._forward_step,
-            data_iterator=chunk_iterators(micro, len(self.model)),
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=self.num_micro,
-            seq_length=self.cfg.train.seq_length,
-            micro_batch_size=self.cfg.train.micro_batch_size,
-            forward_only=forward_only,
-        )
-
     def train_step(self) -> dict:
         """One optimizer step; returns metrics (identical on every rank).
 
@@ -136,8 +102,12 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.method.before_step(self.step, self.model)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (a method may have set it)
-        losses = self._run_schedule(self.train_data, self.consumed, forward_only=False)
+        self.scheduler.set_factor(self.method.lr_factor(self.step))
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        t = self.cfg.train
+        step = lm_forward_step(self.method.lm_loss_weight, self.method.loss_terms)
+        losses = batch_losses(self.model, self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size,
+                              t.seq_length, step, forward_only=False)
         metrics = reduce_losses(losses)
         if self._all_finite(metrics["lm_loss"]):
             ok, grad_norm, _ = self.optimizer.step()
@@ -167,79 +137,17 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    @torch.no_grad()
     def evaluate(self, dataset=None, batches: Optional[int] = None) -> dict[str, float]:
         """Mean LM loss over ``batches`` global batches of ``dataset`` (default: validation data,
         ``train.eval_iters`` batches; ``batches=-1``: every full global batch of the dataset)."""
-        dataset = self.valid_data if dataset is None else dataset
-        gb = self.cfg.train.global_batch_size
-        if batches == -1:
-            batches = len(dataset) // gb
-        for chunk in self.model:
-            chunk.eval()
-        per_micro = []
-        for i in range(batches or self.cfg.train.eval_iters):
-            per_micro += self._run_schedule(dataset, i * gb, True)
-        for chunk in self.model:
-            chunk.train()
-        return reduce_losses(per_micro)
-
-    @torch.no_grad()
-    def logits(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """Full-vocabulary logits ``[b, s, vocab]`` for ``tokens [b, s]`` (eval mode, any layout).
-
-        Returned on the last pipeline stage (None elsewhere), gathered across tensor-parallel ranks.
-        """
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        for chunk in self.model:
-            chunk.eval()
-        batch = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1]).expand_as(tokens)}
-
-        def forward_step(data_iterator, model):
-            b = next(data_iterator)
-            out = model(b["tokens"], b["position_ids"], None)
-            return out, lambda o, non_loss_data=True: gather_from_tensor_model_parallel_region(o)
-
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=chunk_iterators([batch], len(self.model)),
-            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=1,
-            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
-            collect_non_loss_data=True)
-        for chunk in self.model:
-            chunk.train()
-        return out[0] if out else None
+        t = self.cfg.train
+        return evaluate_loss(self.model, self.valid_data if dataset is None else dataset, batches or t.eval_iters,
+                             t.global_batch_size, t.micro_batch_size, t.seq_length)
 
     def save(self) -> str:
         extra = {"method_metadata": self.method.checkpoint_metadata(self.model)}
         return ckpt_mod.save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.method,
                                         self.step, self.consumed, extra)
-
-
-def reduce_losses(per_micro: list[dict]) -> dict[str, float]:
-    """Sum (value_sum, tokens) over micro-batches and DP ranks on the last stage; share with all ranks."""
-    names = sorted(per_micro[0]) if per_micro else []
-    if dist.is_initialized():
-        names = _names_from_last_stage(names)
-    sums = torch.zeros(2 * len(names), dtype=torch.float64)
-    for m in per_micro:
-        for i, n in enumerate(names):
-            sums[2 * i: 2 * i + 2] += m[n].double()
-    if dist.is_initialized():
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            dist.all_reduce(sums, group=ps.get_data_parallel_group())
-        dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
-    return {n: (sums[2 * i] / sums[2 * i + 1]).item() for i, n in enumerate(names)}
-
-
-def _names_from_last_stage(names: list[str]) -> list[str]:
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return names
-    box = [names]
-    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                               group=ps.get_pipeline_model_parallel_group())
-    return box[0]
 
 
 def startup_seconds() -> float:
@@ -284,8 +192,8 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
             if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
                 t_eval = time.perf_counter()
                 metrics["val_loss"] = trainer.evaluate()["lm_loss"]
-                if "achieved_cr" in (val := trainer.method.evaluation_metrics()):
-                    metrics["val_cr"] = val["achieved_cr"]
+                metrics.update({f"val_{k}": v for k, v in trainer.method.evaluation_metrics().items()
+                                if isinstance(v, (int, float))})
                 not_training += time.perf_counter() - t_eval
             history.append(metrics)
             if trainer.step % cfg.train.log_interval == 0 or trainer.step == stop_at:

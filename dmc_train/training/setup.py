@@ -51,7 +51,26 @@ def build_optimizer(cfg: Any, model: list):
     return optimizer
 
 
-def build_scheduler(cfg: Any, optimizer, total_steps: int) -> OptimizerParamScheduler:
+class Scheduler(OptimizerParamScheduler):
+    """megatron's LR/weight-decay scheduler times a factor a method contributes (``Method.lr_factor``).
+
+    The only writer of the optimizer's learning rate: ``set_factor`` re-applies the schedule.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.factor = 1.0
+        super().__init__(*args, **kwargs)
+
+    def set_factor(self, factor: float) -> None:
+        self.factor = factor
+        self.step(increment=0)
+
+    def get_lr(self, param_group: dict) -> float:
+        lr = super().get_lr(param_group)
+        return lr if self.factor == 1.0 else lr * self.factor
+
+
+def build_scheduler(cfg: Any, optimizer, total_steps: int) -> Scheduler:
     """LR per optimizer step: linear warm-up, then constant / linear / cosine to ``lr * min_lr_ratio``.
 
     Megatron's scheduler counts samples; we step it by 1 per optimizer step so its units are steps.
@@ -59,7 +78,7 @@ def build_scheduler(cfg: Any, optimizer, total_steps: int) -> OptimizerParamSche
     o = cfg.optim
     warmup = o.warmup_steps
     decay = o.decay_steps or max(total_steps, warmup + 1)
-    return OptimizerParamScheduler(
+    return Scheduler(
         optimizer,
         init_lr=0.0 if warmup else o.lr,
         max_lr=o.lr,

@@ -24,7 +24,7 @@ COMMON = ["+recipe=tiny_pretrain", "train.max_steps=6", "train.eval_interval=0",
 
 
 def run(overrides):
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
     from dmc_train.training.loop import train
 
     return train(load_config(COMMON + overrides))
@@ -35,8 +35,10 @@ def losses(summary):
 
 
 def fixed_logits(trainer):
+    from dmc_train.training.forward import logits
+
     tokens = torch.arange(32).reshape(2, 16) * 7 % trainer.cfg.model.vocab_size
-    out = trainer.logits(tokens)
+    out = logits(trainer.model, tokens)
     return out.tolist() if out is not None else None
 
 

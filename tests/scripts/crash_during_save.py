@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def main(run_dir: str, mode: str) -> None:
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
     from dmc_train.training import checkpointing
     from dmc_train.training.loop import train
 

@@ -15,14 +15,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-COMMON = ["+recipe=tiny_pretrain", "method.name=dmc", "model.num_query_groups=4", "train.max_steps=6",
+COMMON = ["+recipe=tiny_pretrain", "method=dmc", "model.num_query_groups=4", "train.max_steps=6",
           "train.eval_interval=3", "logging.progress=false", "checkpoint.save_interval=3", "optim.lr=3e-3",
-          "dmc.zero_out_steps=2", "dmc.ramp_steps=2", "dmc.finetune_steps=2", "dmc.target_cr=3",
-          "dmc.init_offset=1.0"]
+          "method.zero_out_steps=2", "method.ramp_steps=2", "method.finetune_steps=2", "method.target_cr=3",
+          "method.init_offset=1.0"]
 
 
 def run(overrides):
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
     from dmc_train.training.loop import train
 
     return train(load_config(COMMON + overrides))
@@ -36,7 +36,7 @@ def main(out_path: str, work: str) -> None:
     import torch
 
     from dmc_train import distributed
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
     from dmc_train.models.dmc_attention import DMCSelfAttention
     from dmc_train.training.checkpointing import read_meta
     from dmc_train.training.loop import Trainer
@@ -63,7 +63,7 @@ def main(out_path: str, work: str) -> None:
                          "other": float(w[:, :3, :-1].abs().min(dim=-1).values.max())})
     res["zeroed_rows"] = rows
 
-    pool = run([f"run_dir={work}/pool", "method.name=fixed_pooling", "dmc.target_cr=2", "train.max_steps=3"])
+    pool = run([f"run_dir={work}/pool", "method=fixed_pooling", "method.target_cr=2", "train.max_steps=3"])
     res["fixed_pool"] = {k: history(pool, k) for k in ("lm_loss", "val_loss", "cr")}
 
     with open(out_path, "w") as f:

@@ -39,7 +39,7 @@ def saved_bytes(cfg) -> int:
 
 
 def main(out_path: str, overrides: list[str]) -> None:
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
 
     result = {}
     for precision in ("bf16", "fp32"):

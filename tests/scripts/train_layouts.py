@@ -27,11 +27,11 @@ LAYOUTS = {
 }
 # DMC at a fixed target CR of 2 from the first step (the CR hinge is active, so its gradient flows),
 # with a small logit offset so that decisions vary; GQA (4 KV heads) so omega averages a group.
-DMC = ["method.name=dmc", "dmc.target_cr=2", "dmc.init_offset=0.5", "model.num_query_groups=4"]
+DMC = ["method=dmc", "method.target_cr=2", "method.init_offset=0.5", "model.num_query_groups=4"]
 LAYOUTS.update({f"dmc_{name}": DMC + LAYOUTS[name] for name in ("ref", "tp2", "pp2", "vpp2")})
 # Variants whose sums cross ranks in other ways: DMC-C and DMC-HardC (means over the heads of a layer,
 # split by TP) and the released per-head CR loss (per-head sums over layers, split by PP).
-VARIANTS = {"dmcc": ["dmc.variant=c"], "hardc": ["dmc.variant=hardc"], "released": ["dmc.cr_loss=released"]}
+VARIANTS = {"dmcc": ["method.variant=c"], "hardc": ["method.variant=hardc"], "released": ["method.cr_loss=released"]}
 for variant, extra in VARIANTS.items():
     LAYOUTS[f"{variant}_ref"] = DMC + extra
     LAYOUTS[f"{variant}_tp2"] = DMC + extra + ["parallel.tensor=2"]
@@ -42,7 +42,7 @@ COMMON = ["+recipe=tiny_pretrain", "train.max_steps=3", "train.eval_interval=0",
 
 def main(out_path: str, names: list[str]) -> None:
     from dmc_train import distributed
-    from dmc_train.config import load_config
+    from dmc_train.recipes import load_config
     from dmc_train.methods.dmc import achieved_cr
     from dmc_train.training.loop import train
 

@@ -1,22 +1,22 @@
 """DMC attention for the layer spec: decisions from the freed channel, partial accumulation, Fig. 3 attention.
 
 ``DMCSelfAttention`` (the spec's ``self_attention``) takes the decision channel ``c`` out of the
-projected query and key heads *before* RoPE:
+projected query and key heads *before* RoPE (the math is :mod:`kernels.dmc.decisions`):
 
 - ``alpha`` (accumulate) from key head channel c: logit ``k[c] - c0``; training: Gumbel-sigmoid
   ``sigmoid((logit + g1 - g2) / tau)`` (noise in fp32); evaluation: ``logit > 0`` with a
   straight-through estimator when gradients are needed. The first token always appends (alpha = 0).
 - ``omega`` (importance) ``sigmoid(mean_{query heads of the group} q[c] + c0) + eps``.
-- variants (App. E): ``c`` (DMC-C) adds ``sum |alpha - mean_{heads of the layer} alpha|`` (Eq. 13,
+- variants: ``c`` (DMC-C) adds ``sum |alpha - mean_{heads of the layer} alpha|`` (Eq. 13,
   normalised per decision like Eq. 10) to the loss; ``hardc`` (DMC-HardC) shares one alpha logit and
   one omega (means over the layer's heads) and one noise draw across all heads of a layer.
 
 then zeroes channel c in q and k, so RoPE rotates the other channels with it zeroed (as the released
-code does), and hands ``(alpha, omega)`` to ``DMCCoreAttention`` (the spec's ``core_attention``),
-which accumulates keys and values after RoPE (Eq. 9) and attends with the Fig. 3 bias in O(n) memory,
-ignoring channel c.
+code does), and hands ``(alpha, omega)`` to its ``DMCCoreAttention`` (the spec's ``core_attention``)
+through a :class:`DecisionHandoff` given to both at construction. The core attention accumulates keys
+and values after RoPE (Eq. 9) and attends with the Fig. 3 bias in O(n) memory, ignoring channel c.
 
-Phases (set by the DMC method's schedule on a shared :class:`DMCState`):
+Phases (set by the DMC method's schedule on the shared :class:`DMCState`):
 ``zero_out`` - vanilla attention with channel c of q and k scaled by ``zero_out_factor`` (Eq. 12);
 ``dmc`` - learned decisions as above; ``fixed`` - Fixed Memory Pooling (the paper's ablation): every
 ``pool`` tokens are averaged into one slot (alpha = 1 except every pool-th token, omega = 1), all
@@ -28,6 +28,8 @@ omega ``[b, groups/TP, s]``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,11 +39,9 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_from_tensor_model_parallel_region)
 from megatron.core.transformer.attention import SelfAttention
 
-from dmc_train.methods.cr_loss import AttachLoss, CRLossTracker
-from dmc_train.methods.dmc_ops import dmc_attention, partial_accumulation
 from dmc_train.models.attention import SDPACoreAttention
-
-OMEGA_EPS = 1e-6
+from dmc_train.models.dmc.cr_loss import AttachLoss, CRLossTracker
+from kernels.dmc import decisions, dmc_attention, partial_accumulation
 
 
 @dataclass
@@ -64,41 +64,58 @@ class DMCState:
     tracker: Optional[CRLossTracker] = None
 
 
+class DecisionHandoff:
+    """One layer's ``(alpha, omega)`` from ``DMCSelfAttention`` to its ``DMCCoreAttention``, for one
+    forward (megatron calls the core attention with q, k, v only). Empty in the zero-out phase."""
+
+    def __init__(self):
+        self._value: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def put(self, value: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._value = value
+
+    def take(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        value, self._value = self._value, None
+        return value
+
+
 class DMCSelfAttention(SelfAttention):
     """megatron ``SelfAttention`` whose q/k decision channel drives DMC (module docstring)."""
 
-    def __init__(self, *args, dmc_state: DMCState, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.dmc = dmc_state
+    def __init__(self, config, submodules, *args, dmc_state: DMCState, **kwargs):
+        if config.attention_output_gate:
+            raise ValueError("DMC attention does not support megatron's attention_output_gate")
+        handoff = DecisionHandoff()
+        core = functools.partial(DMCCoreAttention, dmc_state=dmc_state, handoff=handoff)
+        super().__init__(config, dataclasses.replace(submodules, core_attention=core), *args, **kwargs)
+        self.dmc, self.handoff = dmc_state, handoff
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.head_offset = tp_rank * self.num_query_groups_per_partition  # global index of local KV head 0
-        self.core_attention.dmc = dmc_state
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        assert split_qkv and not output_gate, "DMC attention needs split q, k, v and no output gate"
         query, key, value = super().get_query_key_value_tensors(hidden_states, key_value_states)
         st, c = self.dmc, self.dmc.channel
-        self.core_attention.pending = None
         if st.phase == "fixed":
-            alpha, omega = fixed_pooling_decisions(key, st.pool)
+            s, b, g, _ = key.shape
+            alpha = decisions.fixed_pooling_alpha(s, st.pool, key.device).expand(b, g, s).contiguous()
             if st.tracker is not None:  # counts the decisions (achieved CR); no gradient
                 alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset)
-            self.core_attention.pending = (alpha, omega)
+            self.handoff.put((alpha, torch.ones_like(alpha)))
             return query, key, value
         keep = torch.ones(query.shape[-1], dtype=query.dtype, device=query.device)
         if st.phase == "zero_out":
             keep[c] = st.zero_out_factor
+            self.handoff.put(None)
             return query * keep, key * keep, value
         keep[c] = 0
-        alpha_logit = key[..., c].float() - st.init_offset  # [s, b, g]
-        s, b, g = alpha_logit.shape
-        q_dec = query[..., c].float().unflatten(-1, (g, -1)).mean(-1)  # [s, b, g]: mean over the group
+        alpha_logit = decisions.alpha_logit(key[..., c], st.init_offset)  # [s, b, g]
+        q_dec = decisions.group_mean(query[..., c], alpha_logit.shape[-1])  # [s, b, g]
         if st.variant == "hardc":  # one decision and one importance per layer, shared by all heads
             alpha_logit, q_dec = _mean_over_heads(alpha_logit), _mean_over_heads(q_dec)
-        omega = torch.sigmoid(q_dec + st.init_offset) + OMEGA_EPS
+        omega = torch.sigmoid(q_dec + st.init_offset) + decisions.OMEGA_EPS
         alpha = self._alpha(alpha_logit, shared_noise=st.variant == "hardc")
-        first = torch.ones(s, 1, 1, dtype=alpha.dtype, device=alpha.device)
-        first[0] = 0
-        alpha = (alpha * first).permute(1, 2, 0)  # [b, g, s]; the first token always appends
+        alpha = decisions.first_token_appends(alpha, seq_dim=0).permute(1, 2, 0)  # [b, g, s]
         query, key = query * keep, key * keep
         constraint = None
         if st.variant == "c":  # DMC-C (Eq. 13): |alpha - mean over the layer's heads|, per head
@@ -108,24 +125,19 @@ class DMCSelfAttention(SelfAttention):
             query = AttachLoss.apply(query, constraint.sum(), 1.0 / (n_layers * n_heads))
         if st.tracker is not None:
             alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, constraint=constraint)
-        self.core_attention.pending = (alpha, omega.permute(1, 2, 0))
+        self.handoff.put((alpha, omega.permute(1, 2, 0)))
         return query, key, value
 
     def _alpha(self, logit: torch.Tensor, shared_noise: bool = False) -> torch.Tensor:
         """Accumulate probabilities ``[s, b, g]`` from logits (module docstring), in fp32."""
-        if self.training:  # noise for all KV heads of the layer, so every TP layout sees the same values
-            shape = (2, *logit.shape[:2], self.config.num_query_groups)
-            u = torch.rand(shape, generator=self._noise_generator(), dtype=torch.float32).clamp_(1e-10, 1 - 1e-7)
-            gumbel = -torch.log(-torch.log(u))  # [2, s, b, groups]: g1, g2
-            noise = gumbel[0] - gumbel[1]
-            lo = self.head_offset
-            noise = noise[..., :1].expand_as(logit) if shared_noise else noise[..., lo: lo + logit.shape[-1]]
-            return torch.sigmoid((logit + noise.to(logit.device)) / self.dmc.tau)
-        hard = (logit > 0).to(logit.dtype)
-        if not torch.is_grad_enabled() or not logit.requires_grad:
-            return hard
-        soft = torch.sigmoid(logit)
-        return hard + soft - soft.detach()  # straight-through
+        if not self.training:
+            return decisions.hard_alpha(logit)
+        # Noise for all KV heads of the layer, so every TP layout sees the same values.
+        noise = decisions.gumbel_difference((*logit.shape[:2], self.config.num_query_groups),
+                                            self._noise_generator())
+        lo = self.head_offset
+        noise = noise[..., :1].expand_as(logit) if shared_noise else noise[..., lo: lo + logit.shape[-1]]
+        return decisions.relaxed_alpha(logit, noise, self.dmc.tau)
 
     def _noise_generator(self) -> torch.Generator:
         """Seeded by (seed, step, data-parallel rank, micro-batch, layer): layout-independent, resumable."""
@@ -144,26 +156,19 @@ def _mean_over_heads(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (total / (x.shape[dim] * parallel_state.get_tensor_model_parallel_world_size())).expand_as(x)
 
 
-def fixed_pooling_decisions(key: torch.Tensor, pool: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed Memory Pooling: ``key [s, b, g, d]`` -> alpha, omega ``[b, g, s]`` averaging every ``pool`` tokens."""
-    s, b, g, _ = key.shape
-    pos = torch.arange(s, device=key.device)
-    alpha = (pos % pool != 0).to(torch.float32).expand(b, g, s).contiguous()
-    return alpha, torch.ones_like(alpha)
-
-
 class DMCCoreAttention(SDPACoreAttention):
-    """Core attention over partially accumulated keys/values with the Fig. 3 bias (vanilla when no
-    decisions are pending, i.e. in the zero-out phase)."""
+    """Core attention over partially accumulated keys/values with the Fig. 3 bias (vanilla when the
+    handoff holds no decisions, i.e. in the zero-out phase)."""
 
-    dmc: DMCState
-    pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    def __init__(self, *args, dmc_state: DMCState, handoff: DecisionHandoff, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dmc, self.handoff = dmc_state, handoff
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, **kwargs):
-        if self.pending is None:
+        pending = self.handoff.take()
+        if pending is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, **kwargs)
-        alpha, omega = self.pending
-        self.pending = None
+        alpha, omega = pending
         sq, b, nh, hd = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=self.dmc.accumulation, window=self.dmc.window)

@@ -20,7 +20,8 @@ so both modes below run a single scan on that concatenation.
   last ``w`` tokens, ``h_i = sum_{j=max(0, i-w+1)}^{i} (prod_{m=j+1}^{i} a_m) x_j``; ``w`` shifted
   multiply-adds under plain autograd.
 
-``reference_partial_accumulation`` is the token-by-token loop both are tested against.
+``reference.reference_partial_accumulation`` is the token-by-token loop both are tested against;
+``kernels.dmc.partial_accumulation`` validates the inputs and dispatches here.
 """
 
 from __future__ import annotations
@@ -29,52 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_kv, check_per_head, check_positive_int, work_dtype
-
-MODES = ("exact", "window")
+from ._checks import work_dtype
 
 
 # ---------------------------------------------------------------------------------------------
-# Public op
+# Entry point (inputs validated by kernels.dmc.partial_accumulation)
 # ---------------------------------------------------------------------------------------------
 
 
-def partial_accumulation(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    alpha: torch.Tensor,
-    omega: torch.Tensor,
-    mode: str = "exact",
-    window: int = 12,
-    chunk: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partially accumulated keys and values of Eq. 9.
+def partial_accumulation_torch(k, v, alpha, omega, mode, window, chunk):
+    """PyTorch implementation of :func:`kernels.dmc.partial_accumulation` (any device).
 
-    Args:
-        k: keys ``[b, h_kv, n, d]`` (after RoPE, decision channel zeroed by the caller).
-        v: values ``[b, h_kv, n, d_v]``.
-        alpha: accumulate decisions ``[b, h_kv, n]`` in [0, 1]; ``alpha[..., 0]`` is ignored (0).
-        omega: importance weights ``[b, h_kv, n]``, > 0 (z must not vanish).
-        mode: ``"exact"`` (full recurrence) or ``"window"`` (each position looks back ``window`` tokens).
-        window: window length ``w >= 1`` for ``mode="window"``.
-        chunk: scan chunk length for ``mode="exact"`` (speed/memory knob only, result independent).
-
-    Returns:
-        ``(k_tilde [b, h_kv, n, d], v_tilde [b, h_kv, n, d_v])`` in the dtypes of ``k`` and ``v``;
-        computed in float32 (float64 if the input is float64). Differentiable w.r.t. all four inputs.
+    ``k [b, h_kv, n, d]``, ``v [b, h_kv, n, d_v]``, ``alpha`` / ``omega [b, h_kv, n]``; returns
+    ``(k_tilde [b, h_kv, n, d], v_tilde [b, h_kv, n, d_v])``. ``mode`` is ``"exact"`` or ``"window"``.
     """
-    check_kv(k, v)
-    check_per_head("alpha", alpha, k)
-    check_per_head("omega", omega, k)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    check_positive_int("window", window)
-    check_positive_int("chunk", chunk)
-    # CUDA: a Triton kernel from kernels/ is dispatched here once it exists; CPU uses PyTorch.
-    return _partial_accumulation_torch(k, v, alpha, omega, mode, window, chunk)
-
-
-def _partial_accumulation_torch(k, v, alpha, omega, mode, window, chunk):
     if mode == "exact":
         return _ExactAccumulation.apply(k, v, alpha, omega, chunk)
     wd = work_dtype(k)
@@ -242,39 +211,3 @@ def _windowed_scan(a: torch.Tensor, x: torch.Tensor, window: int) -> torch.Tenso
         decay = decay[..., 1:] * a[..., 1 : n - s + 1]  # prod_{m=i-s+1}^{i} a_m for i in [s, n)
         h = h + F.pad(decay.unsqueeze(-1) * x[..., : n - s, :], (0, 0, s, 0))
     return h
-
-
-# ---------------------------------------------------------------------------------------------
-# Naive reference (token loop, autograd)
-# ---------------------------------------------------------------------------------------------
-
-
-def reference_partial_accumulation(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    alpha: torch.Tensor,
-    omega: torch.Tensor,
-    window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 9 by a Python loop over tokens, literally as written (``window=None``: exact).
-
-    With ``window=w`` each position restarts the recurrence ``w - 1`` tokens back. Layouts as in
-    :func:`partial_accumulation`; computes in the input dtype. Tests only.
-    """
-    n = k.shape[2]
-    k_out, v_out = [], []
-    for i in range(n):
-        start = 0 if window is None else max(0, i - window + 1)
-        z, num_k, num_v = None, None, None
-        for j in range(start, i + 1):
-            w_j = omega[..., j, None]
-            if z is None:  # first token of the (possibly windowed) recurrence
-                z, num_k, num_v = w_j, w_j * k[..., j, :], w_j * v[..., j, :]
-            else:
-                a_j = alpha[..., j, None]
-                z = a_j * z + w_j
-                num_k = a_j * num_k + w_j * k[..., j, :]
-                num_v = a_j * num_v + w_j * v[..., j, :]
-        k_out.append(num_k / z)
-        v_out.append(num_v / z)
-    return torch.stack(k_out, dim=2), torch.stack(v_out, dim=2)

@@ -17,8 +17,8 @@ Backward calls the fused backward with the *merged* ``out`` and ``lse``: it reco
 ``P_ij = exp(s_ij + bias_j - lse_i)`` and ``D_i = <dO_i, out_i>``, which are exactly the merged
 softmax's, so its dq / dk / dv are the past part's gradients; the diagonal's are O(n d) element-wise.
 ``dL/d bias_j`` comes out as the gradient of the bias channel of k'. (This uses only the standard
-flash backward contract, P from lse and D from out; tests/test_dmc_ops.py checks it against the
-dense reference, so a change inside torch would show there.)
+flash backward contract, P from lse and D from out; tests/kernels/dmc/test_attention.py checks it
+against the dense reference, so a change inside torch would show there.)
 
 Hard alpha = 1 (bias -inf): the forward uses -1e30 (weight exactly 0). The backward clamps the bias
 at -60, so the kernel's column sum is ``e^-60 sum_i U_ij (dP_ij - D_i)`` (``U = exp(s - lse)``), which
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._attention_blocked import NEG_BIG
 from ._checks import work_dtype
+from .attention_blocked import NEG_BIG
 
 _BIAS_FLOOR_BACKWARD = -60.0
 

@@ -23,7 +23,7 @@ its tokens), so each rank's gradient flows only into its own alphas and from the
 normal pipeline backward.
 
 The tracker also carries the DMC-C constraint's value (its gradient flows through the graph, see
-``dmc_attention.py``) and counts hard decisions per (layer, KV head) for the achieved CR.
+``attention.py``) and counts hard decisions per (layer, KV head) for the achieved CR.
 """
 
 from __future__ import annotations

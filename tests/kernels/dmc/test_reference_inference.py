@@ -1,0 +1,80 @@
+"""Training path with hard decisions == Algorithm 1 (simulate_dmc_inference / DMCHeadCache)."""
+
+import pytest
+import torch
+
+from dmc_inputs import IMPLS, hard_alpha, make_inputs
+from kernels.dmc import DMCHeadCache, dmc_attention, partial_accumulation, simulate_dmc_inference
+
+
+def _longest_segment(alpha):
+    longest, run = 0, torch.zeros(alpha.shape[:-1])
+    for t in range(alpha.shape[-1]):
+        run = torch.where((alpha[..., t] == 1) & (torch.tensor(t) > 0), run + 1, torch.ones_like(run))
+        longest = max(longest, int(run.max()))
+    return longest
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hard_training_equals_inference_simulation(G, seed, impl):
+    q, k, v, omega, gen = make_inputs(b=2, hk=2, G=G, n=29, d=8, dv=6, seed=seed)
+    alpha = hard_alpha(k.shape[:3], gen)
+    alpha[..., 0] = 1  # ignored: the first token always appends
+    expected, lengths = simulate_dmc_inference(q, k, v, alpha, omega)
+
+    k_t, v_t = partial_accumulation(k, v, alpha, omega, mode="exact", chunk=8)
+    out = dmc_attention(q, k_t, v_t, alpha, block=8, key_block=8, impl=impl)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+    a = alpha.clone()
+    a[..., 0] = 0
+    torch.testing.assert_close(lengths[..., -1], (1 - a).sum(-1).long())  # l = sum_t (1 - alpha_t)
+
+
+def test_window_mode_matches_inference_iff_segments_fit():
+    w = 4
+    q, k, v, omega, gen = make_inputs(b=2, hk=2, G=2, n=40, seed=3)
+    fits = hard_alpha(k.shape[:3], gen, p=0.7, max_segment=w)
+    assert _longest_segment(fits) == w
+    expected, _ = simulate_dmc_inference(q, k, v, fits, omega)
+    out = dmc_attention(q, *partial_accumulation(k, v, fits, omega, mode="window", window=w), fits, block=16)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+    too_long = fits.clone()
+    too_long[0, 0, 10 : 10 + w + 2] = 1  # a segment of at least w + 3 tokens
+    expected, _ = simulate_dmc_inference(q, k, v, too_long, omega)
+    out = dmc_attention(q, *partial_accumulation(k, v, too_long, omega, mode="window", window=w), too_long)
+    assert (out - expected).abs().max() > 1e-3
+    exact = dmc_attention(q, *partial_accumulation(k, v, too_long, omega, mode="exact"), too_long)
+    torch.testing.assert_close(exact, expected, atol=1e-5, rtol=0)
+
+
+def test_paper_worked_example_cache_growth():
+    """alphas (a1..a5) = (1, 1, 0, 1, 0): [k0] -> [k01] -> [k012] -> [k012, k3] -> [k012, k34] -> [k012, k34, k5]."""
+    q, k, v, omega, _ = make_inputs(b=1, hk=1, n=6, d=4, seed=5)
+    alpha = torch.tensor([[[0.0, 1, 1, 0, 1, 0]]])
+    _, lengths, caches = simulate_dmc_inference(q, k, v, alpha, omega, return_caches=True)
+    assert lengths[0, 0].tolist() == [1, 1, 1, 2, 2, 3]
+
+    def avg(x, idx):
+        w = omega[0, 0, idx]
+        return (w[:, None] * x[0, 0, idx]).sum(0) / w.sum()
+
+    k64, v64 = k.double(), v.double()
+    expected_steps = [[[0]], [[0, 1]], [[0, 1, 2]], [[0, 1, 2], [3]], [[0, 1, 2], [3, 4]], [[0, 1, 2], [3, 4], [5]]]
+    cache = DMCHeadCache()
+    for t, slots in enumerate(expected_steps):
+        cache.update(k64[0, 0, t], v64[0, 0, t], float(alpha[0, 0, t]), omega[0, 0, t].double())
+        assert len(cache) == len(slots)
+        for got_k, got_v, idx in zip(cache.keys, cache.values, slots):
+            torch.testing.assert_close(got_k, avg(k64, idx))
+            torch.testing.assert_close(got_v, avg(v64, idx))
+    final = caches[0][0]
+    for got, other in zip(final.keys, cache.keys):
+        torch.testing.assert_close(got, other)
+    # The training states at the ends of the segments (2, 4, 5) are the final cache slots.
+    k_t, v_t = partial_accumulation(k, v, alpha, omega)
+    torch.testing.assert_close(k_t[0, 0, [2, 4, 5]].double(), torch.stack(final.keys), atol=1e-6, rtol=0)
+    torch.testing.assert_close(v_t[0, 0, [2, 4, 5]].double(), torch.stack(final.values), atol=1e-6, rtol=0)
