@@ -17,10 +17,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from dmc_train.recipes import load_config
 
-from dmc_train.recipes import load_config  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # runs/ and docs/ of this checkout
 
 BASE = "runs/base_tiny"
 RUNS = {
@@ -34,7 +33,8 @@ RUNS = {
 
 
 def sh(args: list[str], log: str | None = None, threads: int | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    """``python <args>`` in the checkout root (``args`` start with ``-m <module>``)."""
+    env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     out = open(log, "a") if log else None
@@ -49,7 +49,7 @@ def wait(proc: subprocess.Popen, what: str) -> None:
 def convert(groups: int) -> None:
     out = f"runs/base_tiny_gqa{groups}"
     if not os.path.exists(os.path.join(ROOT, out, "meta.json")):
-        wait(sh(["checkpoints_tools/convert_gqa.py", "--input", BASE, "--output", out, "--groups", str(groups)]),
+        wait(sh(["-m", "checkpoints_tools.convert_gqa", "--input", BASE, "--output", out, "--groups", str(groups)]),
              f"GQA conversion to {groups} groups")
 
 
@@ -73,7 +73,7 @@ def main() -> None:
             name = pending.pop(0)
             log = os.path.join(ROOT, f"runs/logs/retrofit_{name}.log")
             print(f"[{time.time() - t0:6.0f}s] start {name}: {' '.join(RUNS[name])} (log {log})", flush=True)
-            cmd = ["launch/pretrain.py", *RUNS[name], "logging.progress=true"]
+            cmd = ["-m", "launch.pretrain", *RUNS[name], "logging.progress=true"]
             active.append((name, sh(cmd, log, threads), log))
         time.sleep(5)
         for item in list(active):
@@ -81,7 +81,7 @@ def main() -> None:
             if proc.poll() is not None:
                 active.remove(item)
                 wait(proc, f"training {name}")
-                wait(sh(["launch/evaluate.py", *RUNS[name]], log, threads), f"evaluating {name}")
+                wait(sh(["-m", "launch.evaluate", *RUNS[name]], log, threads), f"evaluating {name}")
                 print(f"[{time.time() - t0:6.0f}s] done {name}", flush=True)
 
     rows = [("base (MHA)", 1.0, _eval(BASE))]

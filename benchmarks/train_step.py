@@ -12,13 +12,11 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.helpers import run  # noqa: E402
 
 LAYOUTS = [
     ("TP=1", 1, []),
@@ -29,9 +27,25 @@ LAYOUTS = [
 ]
 
 
+def run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
+    """``python -m launch.pretrain <args>`` in one process, or under torchrun with ``nproc`` ranks."""
+    if nproc > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+               "-m", *args]
+    else:
+        cmd = [sys.executable, "-m", *args]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def measure(name, nproc, overrides, steps, model, workdir):
     run_dir = os.path.join(workdir, re.sub(r"\W+", "_", name))
-    proc = run(["launch/pretrain.py", "+recipe=tiny_pretrain", f"model={model}", f"run_dir={run_dir}",
+    proc = run(["launch.pretrain", "+recipe=tiny_pretrain", f"model={model}", f"run_dir={run_dir}",
                 f"train.max_steps={steps}", "train.eval_interval=0", "checkpoint.save_interval=0",
                 "checkpoint.save_at_end=false", "train.log_interval=1", *overrides], nproc=nproc)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

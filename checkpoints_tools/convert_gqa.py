@@ -1,6 +1,7 @@
 """Convert an MHA (or GQA) checkpoint to fewer query groups by averaging K/V heads (GQA up-training).
 
     python checkpoints_tools/convert_gqa.py --input runs/base_tiny --output runs/gqa_inits/base_tiny_g4 --groups 4
+    python -m checkpoints_tools.convert_gqa ...     # same, from an installed package (or: dmc-convert-gqa)
     python launch/pretrain.py +recipe=gqa_tiny          # up-trains from that checkpoint
 
 ``--input``: a checkpoint directory, or a run directory / checkpoints root (its ``latest``), saved at
@@ -10,9 +11,6 @@ any TP/PP layout. ``--output``: a weights-only checkpoint loadable at any layout
 
 import argparse
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> None:

@@ -1,4 +1,9 @@
-"""Shared wiring for the Hydra entry points in ``launch/``: config pre-check and one-line errors.
+"""Shared wiring of the entry points (``launch/*``, ``checkpoints_tools/*``): Hydra start-up,
+config pre-check, one-line errors and exit codes.
+
+Only entry points import this module; the library never does (it raises the types of
+:mod:`dmc_train.errors` and leaves printing and exiting to its caller). It lives in the package,
+not in ``launch/``, because the converters in ``checkpoints_tools/`` use it too.
 
 Hydra's own error report spans several lines and a hint about HYDRA_FULL_ERROR; users get one line
 naming the cause instead, and a non-zero exit. Nothing is written before the config is valid.
@@ -8,11 +13,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 from dmc_train.errors import TrainingDiverged, UserError, one_line
 
 EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
 
 
 def precheck(argv: list[str], config_name: str = "config") -> None:
@@ -26,7 +32,21 @@ def precheck(argv: list[str], config_name: str = "config") -> None:
         fail(f"config error: {one_line(e)}")
 
 
-EXIT_DIVERGED = 3
+def hydra_main(task: Callable[[Any], None], config_name: str = "config") -> None:
+    """Run ``task(cfg)`` as a Hydra app on the command line's overrides.
+
+    The config is ``<recipes_dir()>/<config_name>.yaml`` (:func:`dmc_train.recipes.recipes_dir`:
+    the checkout's ``recipes/`` or the installed package's copy), so the entry point works as
+    ``python launch/<name>.py``, ``python -m launch.<name>``, under ``torchrun`` and as a console
+    script. An invalid config ends in one line (exit code 2) before Hydra starts.
+    """
+    import hydra
+
+    from dmc_train.recipes import recipes_dir, register_schema
+
+    register_schema()
+    precheck(sys.argv[1:], config_name)
+    hydra.main(config_path=recipes_dir(), config_name=config_name, version_base=None)(task)()
 
 
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:

@@ -73,6 +73,32 @@ def _first_slurm_host(nodelist: str) -> str:
         return nodelist.split(",")[0].split("[")[0]
 
 
+# megatron-core announces every CPU fallback and deprecation at import/build time; all expected here.
+_EXPECTED_WARNINGS = (
+    r".*(Transformer Engine and Apex|Apex) (are|is) not installed.*",
+    r".*full scope is deprecated.*",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    r".*`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor|_all_gather_base)` is deprecated.*",
+    r".*\.grad attribute of a Tensor that is not a leaf.*",  # megatron's DDP probes param.grad via hooks
+    r".*`load_state_dict` is deprecated.*",  # megatron's dist_checkpointing on torch.distributed.checkpoint
+    r".*Please use DTensor instead and we are deprecating ShardedTensor.*",
+)
+
+
+def silence_expected_warnings() -> None:
+    """Hide megatron-core's expected CPU-fallback and deprecation warnings, and its INFO logging.
+
+    Called by the entry points (``dmc_train.cli``), not at import: a library user keeps control of
+    their own warning filters.
+    """
+    import logging
+    import warnings
+
+    for pattern in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
 # --------------------------------------------------------------------------------------
 # CPU compatibility layer for megatron-core 0.16.1
 # --------------------------------------------------------------------------------------

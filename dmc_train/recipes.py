@@ -4,7 +4,8 @@
     layout = validate(cfg, world_size=2)
 
 The recipe tree (``config.yaml``, ``model/``, ``recipe/``, ``hydra/``) is found by
-:func:`recipes_dir`. ``launch/pretrain.py`` composes the same config with ``@hydra.main``.
+:func:`recipes_dir` (checkout, installed wheel, or ``$DMC_TRAIN_RECIPES``). ``launch/pretrain.py``
+composes the same config with ``@hydra.main(config_path=recipes_dir())``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,50 @@ from typing import Any
 from dmc_train import config as config_mod
 from dmc_train.methods import METHODS, validate_method
 
-RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+RECIPES_ENV = "DMC_TRAIN_RECIPES"  # explicit override of the recipe tree (a directory with config.yaml)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# An installed wheel: the checkout's recipes/ is package data at dmc_train/_recipes (pyproject.toml).
+PACKAGED_RECIPES = os.path.join(_PACKAGE_DIR, "_recipes")
+# A source checkout (also what an editable install imports): recipes/ next to dmc_train/.
+CHECKOUT_RECIPES = os.path.join(os.path.dirname(_PACKAGE_DIR), "recipes")
 
 
 def recipes_dir() -> str:
-    return RECIPES_DIR
+    """The absolute path of the recipe tree every config is composed from.
+
+    Resolution, first match wins:
+
+    1. ``$DMC_TRAIN_RECIPES`` when set and non-empty: that directory (relative to the current
+       directory), which must contain ``config.yaml`` - else a one-line ConfigError, never a fallback.
+    2. The tree that belongs to the imported ``dmc_train`` code: ``<dmc_train>/_recipes`` in an
+       installed wheel (package data), else ``<dmc_train>/../recipes`` in a source checkout or an
+       editable install (``pip install -e .``). Both are fixed paths relative to this file; nothing
+       depends on the current directory or ``sys.path``.
+
+    Raises :class:`~dmc_train.errors.ConfigError` naming the paths tried when there is none.
+    """
+    from dmc_train.errors import ConfigError
+
+    override = os.environ.get(RECIPES_ENV)
+    if override:
+        path = os.path.abspath(override)
+        if not os.path.isfile(os.path.join(path, "config.yaml")):
+            raise ConfigError(f"{RECIPES_ENV}={override}: no config.yaml in {path}; point it at a recipe tree "
+                              f"(a copy of the repository's recipes/) or unset it")
+        return path
+    for path in (PACKAGED_RECIPES, CHECKOUT_RECIPES):
+        if os.path.isfile(os.path.join(path, "config.yaml")):
+            return path
+    raise ConfigError(f"no recipe tree found: neither {PACKAGED_RECIPES} (installed package) nor {CHECKOUT_RECIPES} "
+                      f"(source checkout) holds config.yaml; reinstall dmc_train or set {RECIPES_ENV}")
+
+
+def __getattr__(name: str) -> str:
+    """``RECIPES_DIR``: the same as :func:`recipes_dir` (resolved at each access, not at import, so
+    the override applies and a missing tree fails where it is used); kept for existing imports."""
+    if name == "RECIPES_DIR":
+        return recipes_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register_schema() -> None:

@@ -4,21 +4,19 @@
     python launch/estimate_memory.py model=llama2_70b train.precision=bf16 train.seq_length=4096 \\
         parallel.tensor=8 parallel.pipeline=4 --world-size 32
     python launch/estimate_memory.py --doc-table      # the tables in docs/CLUSTER.md
+    python -m launch.estimate_memory +recipe=dmc_7b    # same, from an installed package
 
 Positional arguments are launch/pretrain.py's Hydra overrides. Logic and assumptions:
 dmc_train/cluster/memory.py.
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from dmc_train.cli import EXIT_USER_ERROR
-from dmc_train.errors import one_line  # noqa: E402
-from dmc_train.cluster import memory  # noqa: E402
-from dmc_train.recipes import load_config  # noqa: E402
+from dmc_train.cluster import memory
+from dmc_train.errors import one_line
+from dmc_train.recipes import load_config
 
 
 def main(argv=None) -> int:

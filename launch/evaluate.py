@@ -2,23 +2,15 @@
 
     python launch/evaluate.py +recipe=base_tiny                       # the run's latest checkpoint
     python launch/evaluate.py +recipe=base_tiny checkpoint.resume=runs/base_tiny/checkpoints/iter_0000400
+    python -m launch.evaluate +recipe=base_tiny                       # same, from an installed package
 
 Writes <run_dir>/eval.json.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import hydra  # noqa: E402
-
-from dmc_train import cli  # noqa: E402
-from dmc_train.recipes import register_schema  # noqa: E402
+from dmc_train import cli
 
 
-@hydra.main(config_path="../recipes", config_name="config", version_base=None)
-def main(cfg) -> None:
+def evaluate_app(cfg) -> None:
     from dmc_train import distributed
     from dmc_train.evaluation.perplexity import evaluate_checkpoint
 
@@ -38,7 +30,9 @@ def main(cfg) -> None:
     distributed.shutdown()
 
 
+def main() -> None:
+    cli.hydra_main(evaluate_app)
+
+
 if __name__ == "__main__":
-    register_schema()
-    cli.precheck(sys.argv[1:])
     main()

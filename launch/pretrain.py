@@ -1,24 +1,18 @@
 """Train (pre-train, retrofit, up-train) a Llama model with megatron-core.
 
-    torchrun --nproc_per_node=2 launch/pretrain.py +recipe=tiny_pretrain
+    python launch/pretrain.py +recipe=tiny_pretrain            # from a checkout
+    python -m launch.pretrain +recipe=tiny_pretrain            # anywhere dmc_train is installed
+    torchrun --nproc_per_node=2 -m launch.pretrain +recipe=tiny_pretrain parallel.tensor=2
     torchrun --nproc_per_node=8 launch/pretrain.py +recipe=dmc_7b parallel.tensor=4
 
-Config: recipes/config.yaml + recipes/recipe/<name>.yaml + command-line overrides (Hydra).
+Config: <recipes>/config.yaml + <recipes>/recipe/<name>.yaml + command-line overrides (Hydra), where
+<recipes> is dmc_train.recipes.recipes_dir() (the checkout's recipes/ or the installed copy).
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import hydra  # noqa: E402
-
-from dmc_train import cli  # noqa: E402
-from dmc_train.recipes import register_schema  # noqa: E402
+from dmc_train import cli
 
 
-@hydra.main(config_path="../recipes", config_name="config", version_base=None)
-def main(cfg) -> None:
+def train_app(cfg) -> None:
     from dmc_train import distributed
     from dmc_train.training.loop import train
 
@@ -31,7 +25,9 @@ def main(cfg) -> None:
     distributed.shutdown()
 
 
+def main() -> None:
+    cli.hydra_main(train_app)
+
+
 if __name__ == "__main__":
-    register_schema()
-    cli.precheck(sys.argv[1:])
     main()

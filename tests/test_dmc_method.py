@@ -113,7 +113,7 @@ def _dmc_cfg(*overrides):
 
 def test_schedule_stages_and_finetune_lr():
     cfg = _dmc_cfg("method.zero_out_steps=4", "method.ramp_steps=5", "method.finetune_steps=10", "method.target_cr=3",
-                   "optim.lr=1.0", "method.finetune_min_lr_ratio=0.1")
+                   "optim.lr=1.0", "method.finetune_min_lr_ratio=0.1", "optim.schedule=constant")
     stages = [dmc_stage(cfg.method, s) for s in range(20)]
     assert stages[:4] == [("zero_out", 1.0), ("zero_out", 0.75), ("zero_out", 0.5), ("zero_out", 0.25)]
     assert [v for _, v in stages[4:9]] == pytest.approx([1.4, 1.8, 2.2, 2.6, 3.0])
@@ -138,6 +138,7 @@ def test_schedule_stages_and_finetune_lr():
     (["method=fixed_pooling", "method.target_cr=2.5"], "must be an integer"),
     (["method.variant=soft"], "method.variant='soft' is not one of dmc, c, hardc"),
     (["method.cr_loss=mine"], "method.cr_loss='mine' is not one of paper, released"),
+    (["method.finetune_steps=5"], "set optim.schedule=constant as the DMC recipes do"),
 ])
 def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
     cfg = _dmc_cfg(*overrides)

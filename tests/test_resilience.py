@@ -61,8 +61,11 @@ def test_sigusr1_checkpoints_requeues_and_resumes_exactly(tmp_path):
     assert step_losses(run_dir) == step_losses(ref_dir)
 
 
+FAULTY = ["tests/scripts/pretrain_nonfinite.py", *TINY[1:], "method=inject_nonfinite"]
+
+
 def test_nan_step_is_skipped_and_training_continues(tmp_path):
-    proc = run([*TINY, f"run_dir={tmp_path}/run", "train.max_steps=5", "train.inject_nonfinite_at=[3]"])
+    proc = run([*FAULTY, f"run_dir={tmp_path}/run", "train.max_steps=5", "method.at=[3]"])
     assert "step 3: non-finite loss or gradient, update skipped (1 in a row" in proc.stdout
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = {r["step"]: r for r in map(json.loads, f)}
@@ -72,7 +75,7 @@ def test_nan_step_is_skipped_and_training_continues(tmp_path):
 
 def test_nan_streak_stops_with_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run([*TINY, f"run_dir={run_dir}", "train.max_steps=10", "train.inject_nonfinite_at=[3,4,5]",
+    proc = run([*FAULTY, f"run_dir={run_dir}", "train.max_steps=10", "method.at=[3,4,5]",
                 "train.max_nonfinite_steps=3"], check=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -1,8 +1,9 @@
 """launch/submit.py and its SLURM script, run against fake sbatch/srun/scontrol/torchrun executables.
 
 The fakes are small shell scripts on PATH that record their argv; the rendered script is executed
-with bash under SLURM_* variables, so the whole chain sbatch -> srun -> torchrun_node.sh -> torchrun
-is checked without a cluster.
+with bash under SLURM_* variables, so the whole chain sbatch -> srun -> node wrapper -> torchrun
+is checked without a cluster. The script runs `torchrun ... -m launch.pretrain` in --workdir and
+inlines the node wrapper, so the job needs dmc_train installed, not a checkout.
 """
 
 import io
@@ -18,7 +19,7 @@ from dmc_train.cluster import slurm
 from dmc_train.cluster.slurm import JobSpec
 from helpers import free_port
 
-ROOT = slurm.ROOT
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = ["+recipe=tiny_pretrain", "parallel.tensor=2", "data.prefixes=[a b,c]"]
 
 FAKES = {
@@ -26,10 +27,11 @@ FAKES = {
     "sbatch": 'printf "%s\\n" "$@" -- >> "$REC/sbatch"\necho "Submitted batch job 123"\n',
     "scontrol": 'printf "%s\\n" "$@" -- >> "$REC/scontrol"\n'
                 'if [ "$1" = show ] && [ "$2" = hostnames ]; then printf "%s\\n" ${FAKE_HOSTS:-node001 node002}; fi\n',
-    # srun: record, drop its own options, run the command once (as the first node)
-    "srun": 'printf "%s\\n" "$@" -- >> "$REC/srun"\n'
+    # srun: record (NUL-separated: the inlined node wrapper is one multi-line argument), drop its own
+    # options, run the command once (as the first node)
+    "srun": 'printf "%s\\0" "$@" -- >> "$REC/srun"\n'
             'while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n',
-    "torchrun": 'printf "%s\\n" "$@" > "$REC/torchrun"\n',
+    "torchrun": 'printf "%s\\n" "$@" > "$REC/torchrun"\npwd > "$REC/cwd"\n',
 }
 
 
@@ -47,10 +49,10 @@ def fakes(tmp_path, monkeypatch):
     return rec
 
 
-def calls(path) -> list[list[str]]:
+def calls(path, sep: str = "\n") -> list[list[str]]:
     if not path.exists():
         return []
-    text = path.read_text().split("\n")
+    text = path.read_text().split(sep)
     out, cur = [], []
     for line in text[:-1]:
         if line == "--":
@@ -88,21 +90,35 @@ def test_rendered_script_is_valid_bash(tmp_path, array):
 
 
 def test_script_launches_srun_and_torchrun(tmp_path, fakes):
-    proc = run_script(slurm.render(spec(tmp_path, cpus_per_task=16)), tmp_path)
+    workdir = tmp_path / "work"  # any directory: the job does not need a checkout
+    workdir.mkdir()
+    script = slurm.render(spec(tmp_path, cpus_per_task=16, workdir=str(workdir)))
+    assert "launch/pretrain.py" not in script and "bash launch/" not in script
+    proc = run_script(script, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert calls(fakes / "scontrol") == [["show", "hostnames", "node[001-002]"]]
-    assert calls(fakes / "srun") == [["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                                      "--cpus-per-task=16", "bash", "launch/slurm/torchrun_node.sh",
-                                      *(fakes / "torchrun").read_text().splitlines()]]
+    wrapper = open(slurm.node_wrapper_path()).read()  # inlined: the shipped wrapper, byte for byte
+    assert calls(fakes / "srun", sep="\0") == [["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                                "--cpus-per-task=16", "bash", "-c", wrapper, "torchrun_node.sh",
+                                                *(fakes / "torchrun").read_text().splitlines()]]
     log_dir = tmp_path / "logs" / "job-123"
     assert (fakes / "torchrun").read_text().splitlines() == [
         "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
         "--rdzv_endpoint=node001:29623",  # 29500 + 123 % 1000
         "--rdzv_id=123", f"--log-dir={log_dir}/torchrun", "--tee=3",
-        "launch/pretrain.py", "+recipe=tiny_pretrain", f"run_dir={tmp_path / 'run'}", "checkpoint.resume=auto",
+        "-m", "launch.pretrain", "+recipe=tiny_pretrain", f"run_dir={tmp_path / 'run'}", "checkpoint.resume=auto",
         "parallel.tensor=2", "data.prefixes=[a b,c]"]
     assert log_dir.is_dir()
     assert "rendezvous node001:29623" in proc.stdout
+    assert (fakes / "cwd").read_text().strip() == str(workdir)
+
+
+def test_relative_run_dir_resolves_under_workdir(tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    cfg = slurm.check(spec(tmp_path, run_dir="runs/x", workdir=str(workdir)))
+    assert cfg.run_dir == str(workdir / "runs" / "x")
+    assert f"\ncd {workdir}  #" in slurm.render(spec(tmp_path, run_dir="runs/x", workdir=str(workdir)), cfg)
 
 
 def test_array_task_gets_its_id_and_run_dir(tmp_path, fakes):
@@ -122,7 +138,7 @@ def test_submit_calls_sbatch_with_the_written_script(tmp_path, fakes):
     (script_path,), = calls(fakes / "sbatch")
     assert script_path.startswith(str(tmp_path / "logs" / "job-")) and script_path.endswith(".sbatch")
     script = open(script_path).read()
-    assert "launch/pretrain.py +recipe=tiny_pretrain" in script
+    assert "-m launch.pretrain +recipe=tiny_pretrain" in script
     assert f"#SBATCH --output={tmp_path / 'logs'}/%x-%j.out" in script
     assert out.getvalue().startswith("Submitted batch job 123 ")
 
@@ -151,6 +167,7 @@ def test_dry_run_prints_and_does_not_submit(tmp_path, fakes):
     (dict(time="tomorrow"), "--time="),
     (dict(array="0-3;rm"), "--array="),
     (dict(setup=["echo a\necho b"]), "newlines"),
+    (dict(workdir="/nonexistent/dmc_train_work"), "--workdir=/nonexistent/dmc_train_work is not a directory"),
 ])
 def test_bad_options_fail_in_one_line_without_sbatch(tmp_path, fakes, kw, message):
     out, err = io.StringIO(), io.StringIO()
@@ -203,8 +220,10 @@ def test_node_wrapper_hands_sigusr1_to_the_ranks(tmp_path):
     (bin_dir / "torchrun").chmod(0o755)
     result = tmp_path / "rank0"
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    wrapper = subprocess.Popen(["bash", "launch/slurm/torchrun_node.sh", str(tmp_path / "worker.py"), str(result)],
-                               cwd=ROOT, env=env, start_new_session=True)
+    # exactly as the job runs it: the wrapper's text with bash -c
+    wrapper = subprocess.Popen(["bash", "-c", slurm.read_node_wrapper(), "torchrun_node.sh",
+                                str(tmp_path / "worker.py"), str(result)],
+                               cwd=tmp_path, env=env, start_new_session=True)
     try:
         deadline = time.time() + 30
         while not (tmp_path / "rank0.ready").exists():
@@ -222,14 +241,21 @@ def test_node_wrapper_hands_sigusr1_to_the_ranks(tmp_path):
 def test_script_trains_with_real_torchrun_and_continues_when_rerun(tmp_path, fakes):
     """The rendered script under fake srun/scontrol and the real torchrun (2 CPU ranks, c10d
     rendezvous): a job limited by train.max_steps_per_job stops at a checkpoint; running the same
-    script again (what a requeue does) continues from it (checkpoint.resume=auto)."""
+    script again (what a requeue does) continues from it (checkpoint.resume=auto). The working
+    directory is an empty one: torchrun runs -m launch.pretrain from the environment's dmc_train."""
     torchrun_dir = os.path.dirname(sys.executable)
     os.remove(os.path.join(os.environ["PATH"].split(os.pathsep)[0], "torchrun"))  # use the real one
+    workdir = tmp_path / "work"
+    workdir.mkdir()
     job = spec(tmp_path, nodes=1, gpus_per_node=2, setup=[f"export PATH={torchrun_dir}:$PATH"], port=free_port(),
+               workdir=str(workdir),
                overrides=["+recipe=tiny_pretrain", "train.max_steps=4", "train.max_steps_per_job=2",
                           "checkpoint.save_interval=0", "logging.progress=false"])
     script = slurm.render(job)
-    env = dict(SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_CPUS_ON_NODE="2", FAKE_HOSTS="localhost")
+    # The job's environment provides dmc_train: installed (pip install -r requirements.txt does), or
+    # - in a venv without the install - the checkout through PYTHONPATH, like every test subprocess.
+    env = dict(SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_CPUS_ON_NODE="2", FAKE_HOSTS="localhost",
+               PYTHONPATH=ROOT)
     for attempt, steps in ((0, 2), (1, 4)):
         proc = run_script(script, tmp_path, SLURM_RESTART_COUNT=str(attempt), **env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -244,11 +270,11 @@ def test_hydra_submitit_launcher_config_composes():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dmc_train.recipes import RECIPES_DIR, register_schema
+    from dmc_train.recipes import recipes_dir, register_schema
 
     register_schema()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=RECIPES_DIR, version_base=None):
+    with initialize_config_dir(config_dir=recipes_dir(), version_base=None):
         cfg = compose("config", ["+recipe=tiny_pretrain", "hydra/launcher=slurm_gpu", "hydra.launcher.nodes=2"],
                       return_hydra_config=True)
     launcher = cfg.hydra.launcher

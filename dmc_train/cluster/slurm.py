@@ -2,13 +2,21 @@
 
     spec = JobSpec(overrides=["+recipe=dmc_7b", "parallel.tensor=2"], nodes=2, gpus_per_node=8)
     cfg = check(spec)                # composes the config and checks the layout; raises SubmitError
-    script = render(spec, cfg)       # the sbatch script (launch/slurm/train.sbatch.tmpl filled in)
+    script = render(spec, cfg)       # the sbatch script (train.sbatch.tmpl filled in)
     job_id = sbatch(write_script(spec, script, log_dir_of(spec, cfg)))
 
-``launch/submit.py`` is the command line. The job: one ``srun`` task per node runs
-``launch/slurm/torchrun_node.sh`` -> ``torchrun --nnodes=$SLURM_NNODES --nproc_per_node=<gpus>
---rdzv_backend=c10d --rdzv_endpoint=<first node>:<port> --rdzv_id=$SLURM_JOB_ID launch/pretrain.py
-+recipe=<name> run_dir=<dir> checkpoint.resume=auto <overrides>``.
+``launch/submit.py`` is the command line. The job: ``cd <workdir>``, the ``--setup`` lines, then one
+``srun`` task per node runs the per-node wrapper (``torchrun_node.sh``) -> ``torchrun
+--nnodes=$SLURM_NNODES --nproc_per_node=<gpus> --rdzv_backend=c10d --rdzv_endpoint=<first node>:<port>
+--rdzv_id=$SLURM_JOB_ID -m launch.pretrain +recipe=<name> run_dir=<dir> checkpoint.resume=auto
+<overrides>``.
+
+The rendered script is self-contained: it needs dmc_train installed in the job's environment (what
+``--setup`` activates), not a checkout. The wrapper's text is inlined into the script and run with
+``bash -c`` on every node, so no file of this package has to be visible from the compute nodes;
+``workdir`` is only the job's working directory (relative run and data paths resolve there).
+
+Template and wrapper are the package data ``launch/slurm/`` (see :func:`slurm_dir`).
 
 Signals: ``#SBATCH --signal=USR1@<seconds>`` (no ``B:``) signals the job step, not the batch shell;
 the wrapper keeps torchrun alive and forwards SIGUSR1 to the ranks (see torchrun_node.sh).
@@ -33,10 +41,30 @@ from typing import Any, Optional
 
 from dmc_train.errors import SubmitError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEMPLATE = os.path.join(ROOT, "launch", "slurm", "train.sbatch.tmpl")
 ARRAY_OVERRIDE = "++array_task_id"  # the override each array task receives
 DEFAULT_PORT_EXPR = "$(( 29500 + SLURM_JOB_ID % 1000 ))"  # distinct per job on shared nodes
+TRAIN_MODULE = "launch.pretrain"  # what torchrun runs on every node (-m)
+WRAPPER_EOF = "DMC_TRAIN_NODE_WRAPPER"  # here-document delimiter of the inlined wrapper
+
+
+def slurm_dir() -> str:
+    """The directory of the job template and the per-node wrapper: ``<dmc_train>/../launch/slurm``.
+
+    ``launch`` is a top-level package installed beside ``dmc_train`` by the same wheel (its
+    ``slurm/*`` are package data), and in a checkout it is the directory beside ``dmc_train/``; so
+    the one rule holds for a source checkout, an editable install and site-packages. It depends on
+    where this file is, not on the current directory or ``sys.path``.
+    """
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(os.path.dirname(package_dir), "launch", "slurm")
+
+
+def template_path() -> str:
+    return os.path.join(slurm_dir(), "train.sbatch.tmpl")
+
+
+def node_wrapper_path() -> str:
+    return os.path.join(slurm_dir(), "torchrun_node.sh")
 
 
 @dataclass
@@ -61,7 +89,7 @@ class JobSpec:
     setup: list[str] = field(default_factory=list)  # shell lines run before training
     srun_args: list[str] = field(default_factory=list)  # e.g. --container-image=...
     sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH options, e.g. --exclusive
-    workdir: str = ROOT  # where launch/pretrain.py is (shared file system)
+    workdir: str = field(default_factory=os.getcwd)  # the job's working directory (shared file system)
     gpu_memory_gb: Optional[float] = 80.0  # warn when the memory estimate exceeds it
 
 
@@ -101,8 +129,9 @@ def _check_options(spec: JobSpec) -> None:
              spec.log_dir, spec.run_dir, *spec.setup, *spec.srun_args, *spec.sbatch_args, *spec.overrides]
     if any(t and ("\n" in t or "\r" in t) for t in texts):
         raise SubmitError("options and overrides must not contain newlines (give several --setup lines instead)")
-    if not os.path.isfile(os.path.join(spec.workdir, "launch", "pretrain.py")):
-        raise SubmitError(f"--workdir={spec.workdir} does not contain launch/pretrain.py")
+    if not os.path.isdir(spec.workdir):
+        raise SubmitError(f"--workdir={spec.workdir} is not a directory (the job's working directory: "
+                          f"relative run and data paths resolve there)")
 
 
 def run_dir_of(spec: JobSpec, cfg: Any) -> str:
@@ -214,14 +243,33 @@ def render(spec: JobSpec, cfg: Any = None) -> str:
         "job_log_dir": job_log,
         # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): pass it explicitly
         "srun_args": "".join(q(a) + " " for a in cpus + spec.srun_args),
+        "node_wrapper": read_node_wrapper(),
+        "wrapper_eof": WRAPPER_EOF,
+        "train_module": TRAIN_MODULE,
         "train_args": " ".join(args),
     }
     return fill_template(read_template(), values)
 
 
-def read_template(path: str = TEMPLATE) -> str:
-    with open(path) as f:
-        return f.read()
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise SubmitError(f"{path} is missing: the launch package's slurm/ files were not installed "
+                          f"(reinstall dmc_train)") from None
+
+
+def read_template(path: Optional[str] = None) -> str:
+    return _read(path or template_path())
+
+
+def read_node_wrapper(path: Optional[str] = None) -> str:
+    """The per-node wrapper's text as the script inlines it (no trailing newline)."""
+    text = _read(path or node_wrapper_path()).rstrip("\n")
+    if any(line == WRAPPER_EOF for line in text.splitlines()):
+        raise ValueError(f"{path or node_wrapper_path()} contains the here-document delimiter {WRAPPER_EOF}")
+    return text
 
 
 def fill_template(text: str, values: dict[str, str]) -> str:

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
+from typing import Any
 from unittest import mock
 
 import torch
@@ -242,3 +243,21 @@ def _cache_dir(prefixes: list[str], cache_dir: str | None) -> str:
     key = json.dumps([[p, os.path.getsize(p + ".bin"), os.path.getsize(p + ".idx"), os.stat(p + ".idx").st_mtime_ns]
                       for p in prefixes])
     return os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def build_datasets(cfg: Any, num_train_samples: int):
+    """(train, valid, test) map-style datasets of dict samples (``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids``, each ``[seq_length]``); valid/test hold one epoch, test may be None."""
+    if cfg.data.kind == "synthetic":
+        from dmc_train.data.synthetic import SyntheticDataset
+
+        held_out = max(cfg.train.eval_iters, 1) * cfg.train.global_batch_size
+        return tuple(SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed + k)
+                     for k, n in enumerate((num_train_samples, held_out, held_out)))
+    d = cfg.data
+    return build_gpt_datasets(
+        list(d.prefixes), weights=list(d.weights) if d.weights else None, split=d.split,
+        valid_prefixes=list(d.valid_prefixes), test_prefixes=list(d.test_prefixes),
+        seq_length=cfg.train.seq_length, seed=cfg.train.seed,
+        num_samples=(num_train_samples, None, None if d.test_prefixes else 0),
+        tokenizer=d.tokenizer, cache_dir=d.cache_dir, model_vocab_size=cfg.model.vocab_size)

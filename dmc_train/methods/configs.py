@@ -71,6 +71,10 @@ class DMCConfig:
             raise ConfigError("method.zero_out_steps, method.ramp_steps and method.finetune_steps must be >= 0")
         if not 0 < d.zero_out_fraction <= 1:
             raise ConfigError(f"method.zero_out_fraction={d.zero_out_fraction} must be in (0, 1]")
+        if d.name == "dmc" and d.finetune_steps > 0 and cfg.optim.schedule != "constant":
+            raise ConfigError(f"method.finetune_steps={d.finetune_steps} decays the learning rate itself (a cosine "
+                              f"factor on the scheduler's LR); set optim.schedule=constant as the DMC recipes do, "
+                              f"or method.finetune_steps=0 to keep optim.schedule={cfg.optim.schedule}")
         if head_dim < 2:
             raise ConfigError(f"DMC needs a head dimension >= 2 to free a decision channel; "
                               f"model.hidden_size / model.num_attention_heads = {head_dim}")

@@ -83,9 +83,12 @@ class DMCMethod(Method):
     def attention(self):
         return dmc_self_attention_spec(self.state)
 
+    def prepare_model(self, chunks):
+        track_chunks(chunks, self.tracker)
+        return chunks
+
     def attach(self, trainer) -> None:
         self.optimizer = trainer.optimizer
-        track_chunks([chunk.module for chunk in trainer.model], self.tracker)
 
     # -- schedule ---------------------------------------------------------------------------------
     def stage(self, step: int) -> tuple[str, float]:

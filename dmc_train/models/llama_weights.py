@@ -20,11 +20,11 @@ Imports torch only (no megatron): usable by converters and tools that never buil
 from __future__ import annotations
 
 import re
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from dmc_train.models.shape import count_parameters, layer_parameters  # noqa: F401  (re-exported)
+from dmc_train.models.shape import count_parameters, layer_parameters  # re-exported (__all__)
 
 __all__ = ["qkv_by_group", "split_qkv", "merge_qkv", "split_fc1", "merge_fc1", "MEGATRON_TO_HF",
            "HF_TO_MEGATRON", "hf_names", "megatron_to_hf", "hf_to_megatron", "count_parameters",
@@ -163,8 +163,10 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], num_heads: int, num_groups
     """A Hugging Face ``LlamaForCausalLM`` state dict -> megatron-core names (full, TP=1).
 
     q/k/v are merged into ``linear_qkv`` and gate/up into ``linear_fc1``. The result has no
-    ``_extra_state`` entries: load it with ``strict=False`` and check that only those are missing.
-    Unknown names and incomplete fused tensors raise KeyError.
+    ``_extra_state`` entries, so load it with ``model.load_state_dict(sd, strict=False)`` and require
+    empty ``missing_keys`` and ``unexpected_keys`` (torch lists an absent ``_extra_state`` only when
+    strict). Unknown names and incomplete fused tensors raise KeyError; the rotary ``inv_freq``
+    buffer of older checkpoints is ignored.
     """
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for name, value in state.items():

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from dmc_train import config as config_mod
 from dmc_train import distributed
+from dmc_train.data.datasets import build_datasets
 from dmc_train.errors import TrainingDiverged
 from dmc_train.methods import build_method, validate_method
 from dmc_train.methods.base import Method
@@ -36,26 +37,6 @@ def total_steps(cfg: Any) -> int:
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
         steps = min(steps, math.ceil(cfg.train.max_tokens / tokens_per_step))
     return steps
-
-
-def build_datasets(cfg: Any, num_train_samples: int):
-    """(train, valid, test) map-style datasets of dict samples (``tokens``, ``labels``, ``loss_mask``,
-    ``position_ids``, each ``[seq_length]``); valid/test hold one epoch, test may be None."""
-    if cfg.data.kind == "synthetic":
-        from dmc_train.data.synthetic import SyntheticDataset
-
-        held_out = max(cfg.train.eval_iters, 1) * cfg.train.global_batch_size
-        return tuple(SyntheticDataset(cfg.model.vocab_size, cfg.train.seq_length, n, cfg.train.seed + k)
-                     for k, n in enumerate((num_train_samples, held_out, held_out)))
-    from dmc_train.data.datasets import build_gpt_datasets
-
-    d = cfg.data
-    return build_gpt_datasets(
-        list(d.prefixes), weights=list(d.weights) if d.weights else None, split=d.split,
-        valid_prefixes=list(d.valid_prefixes), test_prefixes=list(d.test_prefixes),
-        seq_length=cfg.train.seq_length, seed=cfg.train.seed,
-        num_samples=(num_train_samples, None, None if d.test_prefixes else 0),
-        tokenizer=d.tokenizer, cache_dir=d.cache_dir, model_vocab_size=cfg.model.vocab_size)
 
 
 class Trainer:

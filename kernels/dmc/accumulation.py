@@ -32,7 +32,6 @@ from torch.autograd.function import once_differentiable
 
 from ._checks import work_dtype
 
-
 # ---------------------------------------------------------------------------------------------
 # Entry point (inputs validated by kernels.dmc.partial_accumulation)
 # ---------------------------------------------------------------------------------------------

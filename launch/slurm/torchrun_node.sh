@@ -1,5 +1,7 @@
 #!/bin/bash
-# Per-node launcher (one srun task per node): `bash launch/slurm/torchrun_node.sh <torchrun args>`.
+# Per-node launcher (one srun task per node): `bash torchrun_node.sh <torchrun args>`. The sbatch
+# script of launch/submit.py inlines this text and runs it as `bash -c "$NODE_WRAPPER" torchrun_node.sh
+# <torchrun args>` (same behaviour; no file needed on the compute nodes).
 #
 # Why a wrapper: Slurm's `--signal=USR1@N` (without "B:") sends SIGUSR1 to the processes of the job
 # step. torchrun installs no SIGUSR1 handler, so the default action would kill it - and with it the

@@ -12,12 +12,9 @@ Scenarios (tiny model, 6 steps, constant data):
 """
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
+import torch
 
 COMMON = ["+recipe=tiny_pretrain", "train.max_steps=6", "train.eval_interval=0", "logging.progress=false",
           "checkpoint.save_interval=0", "optim.warmup_steps=1"]

@@ -10,8 +10,6 @@ Run by tests/test_checkpoint_atomic.py, which then checks that ``latest`` still 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 
 def main(run_dir: str, mode: str) -> None:
     from dmc_train.recipes import load_config

@@ -13,10 +13,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 COMMON = ["+recipe=tiny_pretrain", "method=dmc", "model.num_query_groups=4", "train.max_steps=6",
           "train.eval_interval=3", "logging.progress=false", "checkpoint.save_interval=3", "optim.lr=3e-3",
+          "optim.schedule=constant",
           "method.zero_out_steps=2", "method.ramp_steps=2", "method.finetune_steps=2", "method.target_cr=3",
           "method.init_offset=1.0"]
 
@@ -37,7 +36,7 @@ def main(out_path: str, work: str) -> None:
 
     from dmc_train import distributed
     from dmc_train.recipes import load_config
-    from dmc_train.models.dmc_attention import DMCSelfAttention
+    from dmc_train.models.dmc import DMCSelfAttention
     from dmc_train.training.checkpointing import read_meta
     from dmc_train.training.loop import Trainer
 

@@ -11,12 +11,9 @@
 """
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
+import torch
 
 COMMON = ["+recipe=tiny_pretrain", "train.eval_interval=0", "logging.progress=false", "checkpoint.save_interval=0",
           "optim.warmup_steps=0"]

@@ -10,11 +10,8 @@ Run by tests/test_parallel_equivalence.py.
 """
 
 import json
-import os
 import sys
 import tempfile
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 LAYOUTS = {
     "ref": [],

@@ -1,6 +1,6 @@
 """Step time and peak memory of DMC training vs vanilla attention on the same model, measured in one run.
 
-    python benchmarks/dmc_train.py [--lengths 512 1024 2048 4096] [--steps 3] [--out docs/dmc_train.png]
+    python benchmarks/dmc_train_step.py [--lengths 512 1024 2048 4096] [--steps 3] [--out docs/dmc_train.png]
 
 Model: the base_tiny shape (4 layers, hidden 256, 8 heads of 32) with a 512-token vocabulary (so the
 output layer does not dominate), one sequence per step, fp32, one process. For each sequence length
@@ -18,8 +18,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {
     "vanilla": ["method=none"],

@@ -1,0 +1,67 @@
+"""Model-only loading: a checkpoint's weights in eval mode, without optimizer, scheduler or data.
+
+    loaded = load_model("runs/dmc_tiny_cr2.0")                      # its latest checkpoint, TP=1 PP=1
+    loaded = load_model(ckpt, overrides=["parallel.tensor=2"])      # another layout (under torchrun)
+    out = logits(loaded.model, tokens)                              # dmc_train.training.forward
+
+The config is the one saved with the checkpoint (``meta.json``) with ``overrides`` applied (dotted
+``key=value`` strings), or a given ``cfg`` whose model shape is checked against the checkpoint.
+The method of that config chooses the attention (DMC checkpoints load with DMC attention). The
+process group and megatron's parallel state are set up for the target layout if needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from omegaconf import OmegaConf
+
+from dmc_train import config as config_mod
+from dmc_train import distributed
+from dmc_train.methods import METHODS, build_method, validate_method
+from dmc_train.models.llama import build_model
+from dmc_train.training import checkpointing as ckpt_mod
+
+
+@dataclass
+class LoadedModel:
+    model: list[torch.nn.Module]  # this rank's chunks (plain GPTModel), eval mode
+    cfg: Any
+    method: Any  # the config's Method (e.g. DMC's, which counts decisions for the achieved CR)
+    checkpoint: str
+    meta: dict
+
+
+def config_from_checkpoint(meta: dict, overrides: Sequence[str] = ()) -> Any:
+    """The typed config saved in a checkpoint's ``meta.json``, with dotted ``overrides`` applied."""
+    saved = OmegaConf.create(meta["config"])
+    method = METHODS.get(saved.method.name) if "method" in saved and "name" in saved.method else None
+    if method is None:
+        raise ckpt_mod.CheckpointError(f"the checkpoint's config has no known method ({OmegaConf.select(saved, 'method')}); "
+                                       f"pass the recipe's config instead")
+    schema = OmegaConf.structured(config_mod.Config)
+    schema.method = OmegaConf.structured(method.config)
+    return OmegaConf.merge(schema, saved, OmegaConf.from_dotlist(list(overrides)))
+
+
+def load_model(checkpoint: str, overrides: Sequence[str] = (), cfg: Optional[Any] = None) -> LoadedModel:
+    """Build this rank's model for ``checkpoint`` (a checkpoint, checkpoints root or run directory)
+    at the layout of ``cfg.parallel`` (default TP=1 PP=1) and load its weights (saved at any layout)."""
+    ckpt = ckpt_mod.find_checkpoint(checkpoint)
+    meta = ckpt_mod.read_meta(ckpt)
+    if cfg is None:
+        cfg = config_from_checkpoint(meta, ["parallel.tensor=1", "parallel.pipeline=1", "parallel.virtual_pipeline=null",
+                                            *overrides])
+    config_mod.validate(cfg, distributed.read_launch_env().world_size)
+    validate_method(cfg)
+    ckpt_mod.check_model_shape(ckpt, meta, cfg)
+    p = cfg.parallel
+    distributed.initialize(p.tensor, p.pipeline, p.virtual_pipeline, cfg.train.seed, p.timeout_minutes)
+    method = build_method(cfg)
+    model = method.prepare_model(build_model(cfg, attention=method.attention()))
+    ckpt_mod.load_weights(ckpt, model)
+    for chunk in model:
+        chunk.eval()
+    return LoadedModel(model, cfg, method, ckpt, meta)
