@@ -21,8 +21,8 @@ import time
 
 VARIANTS = {
     "vanilla": ["method=none"],
-    "dmc_exact": ["method=dmc", "method.accumulation=exact"],
-    "dmc_window": ["method=dmc", "method.accumulation=window"],
+    "dmc_exact": ["method=dmc", "method.target_cr=2", "method.accumulation=exact"],
+    "dmc_window": ["method=dmc", "method.target_cr=2", "method.accumulation=window"],
 }
 
 
@@ -58,7 +58,7 @@ def worker(n: int, variant: str, steps: int, max_len: int) -> None:
             "+recipe=tiny_pretrain", "model=base_tiny", "model.vocab_size=512",
             f"model.max_position_embeddings={max_len}", f"train.seq_length={n}", "train.micro_batch_size=1",
             "train.global_batch_size=1", "train.max_steps=100", "logging.progress=false", f"run_dir={tmp}/run",
-            "checkpoint.resume=none", "method.target_cr=2", *VARIANTS[variant]])
+            "checkpoint.resume=none", *VARIANTS[variant]])
         seconds, peak = measure(Trainer(cfg), steps)
     print(json.dumps({"seconds": seconds, "peak_bytes": peak}))
 

@@ -6,7 +6,7 @@
 
 ``--input``: a checkpoint directory, or a run directory / checkpoints root (its ``latest``), saved at
 any TP/PP layout. ``--output``: a weights-only checkpoint loadable at any layout with
-``checkpoint.init_from``. Logic: ``dmc_train/methods/gqa.py``.
+``checkpoint.init_from``. Logic: ``dmc_train/conversion/gqa.py``.
 """
 
 import argparse
@@ -22,13 +22,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from dmc_train import cli, distributed
+    from dmc_train.conversion.gqa import convert_gqa_checkpoint
     from dmc_train.errors import ConfigError
-    from dmc_train.methods.gqa import convert_checkpoint
 
     def run():
         if os.path.exists(args.output) and not args.force:
             raise ConfigError(f"--output {args.output} exists; choose another directory or pass --force")
-        out = convert_checkpoint(args.input, args.output, args.groups)
+        out = convert_gqa_checkpoint(args.input, args.output, args.groups)
         print(f"wrote {out} ({args.groups} query groups)", flush=True)
 
     cli.run_reporting_errors(run)

@@ -22,12 +22,24 @@ EXIT_DIVERGED = 3
 
 
 def precheck(argv: list[str], config_name: str = "config") -> None:
-    """Compose the config from the command line's overrides; exit with one line if it is invalid."""
+    """Compose the config from the command line's overrides; exit with one line if it is invalid.
+
+    ``argv`` is read with Hydra's own argument parser (so ``--cfg job`` is a flag and its value, not
+    an override). Hydra's informational flags, ``--multirun`` (sweeps, composed per job by Hydra) and
+    other config locations (``--config-path``, ``--config-dir``) skip the check; overrides of Hydra's
+    own settings (``hydra.*``, ``hydra/...``) are left out.
+    """
+    from hydra._internal.utils import get_args_parser
+
     from dmc_train.recipes import load_config
 
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    args, _ = get_args_parser().parse_known_args(argv)
+    if (args.help or args.hydra_help or args.shell_completion or args.info or args.multirun or args.config_path
+            or args.config_dir or args.experimental_rerun):
+        return
+    overrides = [a for a in args.overrides if not a.startswith("hydra")]
     try:
-        load_config(overrides, config_name)
+        load_config(overrides, args.config_name or config_name)
     except Exception as e:  # hydra/omegaconf raise a family of types; all are user config errors here
         fail(f"config error: {one_line(e)}")
 
@@ -42,8 +54,10 @@ def hydra_main(task: Callable[[Any], None], config_name: str = "config") -> None
     """
     import hydra
 
+    from dmc_train.distributed import silence_expected_warnings
     from dmc_train.recipes import recipes_dir, register_schema
 
+    silence_expected_warnings()  # before anything imports megatron-core
     register_schema()
     precheck(sys.argv[1:], config_name)
     hydra.main(config_path=recipes_dir(), config_name=config_name, version_base=None)(task)()
@@ -57,6 +71,9 @@ def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
 
 def run_reporting_errors(fn: Callable[[], None]) -> None:
     """Run ``fn``; user-facing errors (bad config, bad checkpoint) end in one line and exit code 2."""
+    from dmc_train.distributed import silence_expected_warnings
+
+    silence_expected_warnings()
     try:
         fn()
     except (UserError, FileNotFoundError) as e:

@@ -9,7 +9,6 @@ method's own settings (the ``method`` node) are defined and checked with the met
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclass(frozen=True)
 class LaunchEnv:
     rank: int
@@ -138,7 +137,7 @@ def _is_cuda_device(dev) -> bool:
 def install_cpu_compat() -> bool:
     """Make megatron-core 0.16.1 run on CPU. No-op (returns False) when CUDA is available.
 
-    Each patch was shown necessary by removing it (see DESIGN.md):
+    Each patch was shown necessary by removing it (docs/DESIGN.md#the-cpu-compatibility-layer):
     (A) ``torch.cuda.current_device`` -> cpu device: megatron allocates grad buffers and optimizer
         tensors on ``torch.cuda.current_device()``.
     (B) ``torch.cuda.synchronize`` -> no-op: dist_checkpointing's save synchronises the device.

@@ -26,7 +26,8 @@ def run(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True,
         cmd = [sys.executable, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

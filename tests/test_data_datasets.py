@@ -12,9 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dmc_train.data.tokenizer import Tokenizer  # noqa: E402
+from dmc_train.data.tokenizer import Tokenizer
 
 EOS = 1
 RANGES = {"a": (10, 100), "b": (200, 300)}  # the token ids of each synthetic corpus
@@ -172,9 +170,9 @@ def test_errors_name_the_problem(data, tmp_path):
 
 def test_prefix_made_with_another_tokenizer_is_refused(tmp_path):
     from dmc_train.data.datasets import build_gpt_datasets
-    from dmc_train.errors import DataError
     from dmc_train.data.prepare import prepare_corpus
     from dmc_train.data.tokenizer import train_sentencepiece
+    from dmc_train.errors import DataError
     from tests.test_data_tokenizer import tiny_docs
 
     (tmp_path / "x.txt").write_text("".join(tiny_docs(30)))

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from dmc_train.data import corpus
-from dmc_train.errors import DataError
 from dmc_train.data.indexed import read_metadata, read_tokens
 from dmc_train.data.prepare import prepare_corpus
 from dmc_train.data.tokenizer import load_tokenizer, train_sentencepiece
 from dmc_train.data.unigram import unigram_perplexity
+from dmc_train.errors import DataError
 from tests.helpers import run
 from tests.test_data_tokenizer import tiny_docs
 

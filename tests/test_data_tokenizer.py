@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from dmc_train.errors import DataError
 from dmc_train.data.tokenizer import load_tokenizer, train_sentencepiece
+from dmc_train.errors import DataError
 
 WORDS = ("king queen castle night sword crown love death ghost father mother brother sister lord lady "
          "speak hear answer stand honour heaven earth fortune").split()

@@ -7,9 +7,10 @@ import torch
 
 from dmc_train.errors import ConfigError, one_line
 from dmc_train.methods.dmc import dmc_stage, finetune_lr_factor
-from dmc_train.models.dmc.cr_loss import CRLossTracker
-from dmc_train.recipes import load_config, validate
 from dmc_train.methods.gqa import convert_qkv_weight
+from dmc_train.models.dmc.cr_loss import CRLossTracker
+from dmc_train.models.llama_weights import split_qkv
+from dmc_train.recipes import load_config, validate
 
 
 def _alphas(seed, shapes, scale=1.0):
@@ -158,12 +159,10 @@ def _qkv(heads, groups, d=3, hidden=5, seed=0):
     return torch.randn(groups * (heads // groups + 2) * d, hidden, generator=gen, dtype=torch.float64)
 
 
-def _split(w, heads, groups, d=3):
-    """Reference split of megatron's fused layout: per group [q heads..., k, v]."""
-    per = heads // groups
-    blocks = w.view(groups, per + 2, d, -1)
-    q = [blocks[j // per, j % per] for j in range(heads)]
-    return q, [blocks[g, per] for g in range(groups)], [blocks[g, per + 1] for g in range(groups)]
+def _split(w, heads, groups):
+    """megatron's fused layout -> (q, k, v) lists of ``[d, hidden]`` heads (tested against megatron
+    itself in tests/models/test_llama_weights.py)."""
+    return tuple(list(t) for t in split_qkv(w, heads, groups))
 
 
 def test_gqa_conversion_with_all_groups_is_identity():

@@ -42,10 +42,11 @@ PACKAGES = ("dmc_train", "kernels", "launch", "checkpoints_tools")
 def component(module: str) -> str | None:
     """The longest ``LAYERS`` key that is ``module`` or a parent package of it."""
     parts = module.split(".")
-    for n in range(len(parts), 1, -1):
-        if ".".join(parts[:n]) in LAYERS:
-            return ".".join(parts[:n])
-    return module if module in LAYERS else None
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in LAYERS and (name != "dmc_train" or module == "dmc_train"):  # no catch-all for the library
+            return name
+    return None
 
 
 def project_modules() -> dict[str, str]:
@@ -71,7 +72,8 @@ def imports_of(module: str, path: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
             names = [f"{base}.{a.name}" for a in node.names] + [base]
         else:
             continue

@@ -3,10 +3,10 @@
 import os
 
 import pytest
+from helpers import ROOT, free_port, run_json
 
 from dmc_train.cluster import memory
 from dmc_train.recipes import load_config
-from helpers import ROOT, free_port, run_json
 
 BASE = ["train.precision=bf16", "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=1024"]
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from dmc_train.recipes import RECIPES_DIR, load_config, validate
 from dmc_train.errors import ConfigError
+from dmc_train.recipes import RECIPES_DIR, load_config, validate
 
 RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(RECIPES_DIR, "recipe")) if f.endswith(".yaml"))
 BIG = {"llama2_7b": (6.74e9, 8), "llama2_13b": (13.0e9, 8), "llama2_70b": (69.0e9, 64)}

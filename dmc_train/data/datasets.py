@@ -44,9 +44,9 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from dmc_train.errors import DataError, MissingPrefixError
 from dmc_train.data.indexed import read_metadata
 from dmc_train.data.tokenizer import Tokenizer, load_tokenizer
+from dmc_train.errors import DataError, MissingPrefixError
 
 SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 SPLIT_NAMES = ("train", "valid", "test")

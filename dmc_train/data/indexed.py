@@ -29,8 +29,8 @@ import time
 import numpy as np
 
 from dmc_train.data import corpus
-from dmc_train.errors import DataError
 from dmc_train.data.tokenizer import Tokenizer, load_tokenizer
+from dmc_train.errors import DataError
 
 FORMAT = "dmc_train.indexed/1"
 

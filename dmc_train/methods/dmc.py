@@ -1,4 +1,4 @@
-"""DMC retrofitting as a training method (METHODS.md §1): attention spec, CR loss, three-stage schedule.
+"""DMC retrofitting as a training method (docs/METHODS.md#dmc): attention, CR loss, three-stage schedule.
 
 Stages, by optimizer step ``s`` (0-based), with Z / R / F = ``method.zero_out_steps`` /
 ``method.ramp_steps`` / ``method.finetune_steps``:
@@ -27,8 +27,7 @@ from megatron.core import parallel_state as ps
 
 from dmc_train.config import kv_groups
 from dmc_train.methods.base import Method
-from dmc_train.models.dmc import (CRLossTracker, DMCState, dmc_self_attention_spec, track_chunks,
-                                  zero_decision_rows)
+from dmc_train.models.dmc import CRLossTracker, DMCState, dmc_self_attention_spec, track_chunks, zero_decision_rows
 
 
 def dmc_stage(d: Any, step: int) -> tuple[str, float]:

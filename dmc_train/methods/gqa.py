@@ -1,4 +1,4 @@
-"""GQA up-training (Ainslie et al. 2023, METHODS.md §2): MHA -> G query groups by averaging K/V heads.
+"""GQA up-training (Ainslie et al. 2023, docs/METHODS.md#gqa-up-training): MHA -> G query groups by averaging K/V heads.
 
 Converting to fewer groups keeps every query head in place and replaces the key (value) heads of
 each new group by the mean of the old ones it merges (query head ``j`` belongs to group
@@ -8,12 +8,8 @@ Compression of the KV cache = heads / groups.
 
 from __future__ import annotations
 
-import copy
-import os
 import torch
-from omegaconf import OmegaConf
 
-from dmc_train.config import kv_groups
 from dmc_train.errors import ConfigError
 from dmc_train.models.llama_weights import merge_qkv, split_qkv
 
@@ -40,38 +36,3 @@ def convert_qkv_weight(weight: torch.Tensor, num_heads: int, groups_from: int, g
         return x.reshape(groups_to, merge, *x.shape[1:]).mean(dim=1, dtype=torch.float64).to(weight.dtype)
 
     return merge_qkv(q, mean(k), mean(v))
-
-
-def convert_checkpoint(src: str, out: str, groups: int) -> str:
-    """Convert the weights of checkpoint ``src`` (any TP/PP layout it was saved with) to ``groups``
-    query groups and save them as a weights-only checkpoint ``out`` (loadable at any layout with
-    ``checkpoint.init_from``). Runs in one process."""
-    from dmc_train import distributed
-    from dmc_train.models.llama import build_model
-    from dmc_train.training.checkpointing import find_checkpoint, load_weights, read_meta, save_weights
-
-    src = find_checkpoint(src)
-    meta = read_meta(src)
-    cfg = OmegaConf.create(meta["config"])
-    m = cfg.model
-    groups_from = kv_groups(m)
-    check_groups(m.num_attention_heads, groups_from, groups)
-    if os.path.abspath(out) == os.path.abspath(src):
-        raise ConfigError(f"--output {out} is the input checkpoint; choose a new directory")
-    cfg.parallel = {**cfg.parallel, "tensor": 1, "pipeline": 1, "virtual_pipeline": None,
-                    "sequence_parallel": False, "distributed_optimizer": False}
-    cfg.method.name = "none"
-    distributed.initialize(1, 1, None, cfg.train.seed)
-    source = build_model(cfg)
-    load_weights(src, source, cfg)
-    target_cfg = copy.deepcopy(cfg)
-    target_cfg.model.num_query_groups = None if groups == m.num_attention_heads else groups
-    target = build_model(target_cfg)
-    state = source[0].state_dict()
-    for key, value in state.items():
-        if key.endswith("linear_qkv.weight"):
-            state[key] = convert_qkv_weight(value, m.num_attention_heads, groups_from, groups)
-    target[0].load_state_dict(state, strict=True)
-    return save_weights(target_cfg, target, out,
-                        {"converted_from": os.path.abspath(src), "gqa": {"groups_from": groups_from, "groups": groups}})
-

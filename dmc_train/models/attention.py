@@ -5,7 +5,6 @@ with RoPE-applied ``query [sq, b, heads/TP, hd]``, ``key/value [sk, b, groups/TP
 ``[sq, b, heads/TP * hd]``. Methods (DMC) plug their own module into the same slot.
 """
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 

@@ -17,9 +17,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
-from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                         get_num_layers_to_build)
 
 from dmc_train.config import kv_groups
 from dmc_train.models.attention import SDPACoreAttention
@@ -63,7 +62,8 @@ def transformer_config(cfg: Any) -> TransformerConfig:
         recompute_method="uniform" if t.recompute == "full" else None,
         recompute_num_layers=1 if t.recompute == "full" else None,
         calculate_per_token_loss=True,
-        # Interleaved PP with batched p2p gives silently wrong gradients on gloo (DESIGN.md).
+        # Interleaved PP with batched p2p gives silently wrong gradients on gloo
+        # (docs/DESIGN.md#megatron-core-traps-on-cpu).
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=True,
         gradient_accumulation_fusion=False,
@@ -112,7 +112,8 @@ def llama_layer_spec(init_seed: int = 0, attention: Optional[ModuleSpec] = None)
     return spec
 
 
-def block_spec(config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
+def block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
+               vp_stage: Optional[int]) -> TransformerBlockSubmodules:
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=RMSNorm)
 

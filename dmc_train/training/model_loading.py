@@ -39,7 +39,8 @@ def config_from_checkpoint(meta: dict, overrides: Sequence[str] = ()) -> Any:
     saved = OmegaConf.create(meta["config"])
     method = METHODS.get(saved.method.name) if "method" in saved and "name" in saved.method else None
     if method is None:
-        raise ckpt_mod.CheckpointError(f"the checkpoint's config has no known method ({OmegaConf.select(saved, 'method')}); "
+        raise ckpt_mod.CheckpointError(f"the checkpoint's config has no known method "
+                                       f"({OmegaConf.select(saved, 'method')}); "
                                        f"pass the recipe's config instead")
     schema = OmegaConf.structured(config_mod.Config)
     schema.method = OmegaConf.structured(method.config)
@@ -52,8 +53,8 @@ def load_model(checkpoint: str, overrides: Sequence[str] = (), cfg: Optional[Any
     ckpt = ckpt_mod.find_checkpoint(checkpoint)
     meta = ckpt_mod.read_meta(ckpt)
     if cfg is None:
-        cfg = config_from_checkpoint(meta, ["parallel.tensor=1", "parallel.pipeline=1", "parallel.virtual_pipeline=null",
-                                            *overrides])
+        single = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.virtual_pipeline=null"]
+        cfg = config_from_checkpoint(meta, [*single, *overrides])
     config_mod.validate(cfg, distributed.read_launch_env().world_size)
     validate_method(cfg)
     ckpt_mod.check_model_shape(ckpt, meta, cfg)

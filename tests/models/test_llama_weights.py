@@ -5,8 +5,18 @@ subprocess (tests/scripts/llama_weights_checks.py: the CPU compatibility layer i
 import pytest
 import torch
 
-from dmc_train.models.llama_weights import (HF_TO_MEGATRON, MEGATRON_TO_HF, hf_names, hf_to_megatron, megatron_to_hf,
-                                            merge_fc1, merge_qkv, qkv_by_group, split_fc1, split_qkv)
+from dmc_train.models.llama_weights import (
+    HF_TO_MEGATRON,
+    MEGATRON_TO_HF,
+    hf_names,
+    hf_to_megatron,
+    megatron_to_hf,
+    merge_fc1,
+    merge_qkv,
+    qkv_by_group,
+    split_fc1,
+    split_qkv,
+)
 from tests.helpers import free_port, run, run_json
 
 SHAPES = [(8, 8), (8, 4), (8, 2), (8, 1), (4, 2), (6, 3)]  # (heads, groups)
@@ -102,7 +112,8 @@ def _synthetic_state(heads=8, groups=2, layers=2, d=4, ffn=12, vocab=16):
                    p + "pre_mlp_layernorm.weight": torch.randn(hidden),
                    p + "mlp.linear_fc1.weight": torch.randn(2 * ffn, hidden),
                    p + "mlp.linear_fc2.weight": torch.randn(hidden, ffn)})
-    sd.update({"decoder.final_layernorm.weight": torch.randn(hidden), "output_layer.weight": torch.randn(vocab, hidden)})
+    sd.update({"decoder.final_layernorm.weight": torch.randn(hidden),
+               "output_layer.weight": torch.randn(vocab, hidden)})
     return sd
 
 
@@ -148,7 +159,8 @@ def test_on_a_real_megatron_model(real, kind):
     hf = r["hf_shapes"]
     assert len(hf) == 3 + 2 * 9
     assert hf["model.layers.0.self_attn.q_proj.weight"] == [64, 64]
-    assert hf["model.layers.1.self_attn.k_proj.weight"] == hf["model.layers.1.self_attn.v_proj.weight"] == [8 * groups, 64]
+    k, v = hf["model.layers.1.self_attn.k_proj.weight"], hf["model.layers.1.self_attn.v_proj.weight"]
+    assert k == v == [8 * groups, 64]
     assert hf["model.layers.0.mlp.gate_proj.weight"] == hf["model.layers.0.mlp.up_proj.weight"] == [176, 64]
     assert r["round_trip"] == {"same_keys": True, "bit_equal": True}
     reload = r["reload"]

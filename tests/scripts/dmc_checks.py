@@ -35,8 +35,9 @@ def main(out_path: str, work: str) -> None:
     import torch
 
     from dmc_train import distributed
-    from dmc_train.recipes import load_config
     from dmc_train.models.dmc import DMCSelfAttention
+    from dmc_train.models.llama_weights import split_qkv
+    from dmc_train.recipes import load_config
     from dmc_train.training.checkpointing import read_meta
     from dmc_train.training.loop import Trainer
 
@@ -57,9 +58,10 @@ def main(out_path: str, work: str) -> None:
     rows = []
     for module in trainer.model[0].module.modules():
         if isinstance(module, DMCSelfAttention):
-            w = module.linear_qkv.weight.view(4, 4, 8, -1)  # [groups, 2 q heads + k + v, head dim, hidden]
-            rows.append({"qk_decision": float(w[:, :3, -1].abs().max()), "v_decision": float(w[:, 3, -1].abs().max()),
-                         "other": float(w[:, :3, :-1].abs().min(dim=-1).values.max())})
+            q, k, v = split_qkv(module.linear_qkv.weight, 8, 4)  # [heads or groups, head dim, hidden]
+            qk = torch.cat([q, k])
+            rows.append({"qk_decision": float(qk[:, -1].abs().max()), "v_decision": float(v[:, -1].abs().max()),
+                         "other": float(qk[:, :-1].abs().min(dim=-1).values.max())})
     res["zeroed_rows"] = rows
 
     pool = run([f"run_dir={work}/pool", "method=fixed_pooling", "method.target_cr=2", "train.max_steps=3"])

@@ -41,9 +41,9 @@ def qkv_weights(trainer):
 
 def main(out_path: str, work: str) -> None:
     from dmc_train import distributed
-    from dmc_train.recipes import load_config
-    from dmc_train.methods.gqa import convert_checkpoint
+    from dmc_train.conversion.gqa import convert_gqa_checkpoint
     from dmc_train.models.llama_weights import split_qkv
+    from dmc_train.recipes import load_config
     from dmc_train.training.loop import train
 
     res = {}
@@ -52,8 +52,8 @@ def main(out_path: str, work: str) -> None:
     src_tp1 = trainer_for([f"run_dir={work}/src_tp1", f"checkpoint.init_from={work}/src", "checkpoint.resume=none"])
     source_qkv = qkv_weights(src_tp1)
 
-    convert_checkpoint(f"{work}/src", f"{work}/g8", 8)
-    convert_checkpoint(f"{work}/src", f"{work}/g2", 2)
+    convert_gqa_checkpoint(f"{work}/src", f"{work}/g8", 8)
+    convert_gqa_checkpoint(f"{work}/src", f"{work}/g2", 2)
 
     g8 = trainer_for([f"run_dir={work}/g8run", "parallel.tensor=2", f"checkpoint.init_from={work}/g8",
                       "checkpoint.resume=none"])

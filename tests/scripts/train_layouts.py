@@ -39,8 +39,8 @@ COMMON = ["+recipe=tiny_pretrain", "train.max_steps=3", "train.eval_interval=0",
 
 def main(out_path: str, names: list[str]) -> None:
     from dmc_train import distributed
-    from dmc_train.recipes import load_config
     from dmc_train.methods.dmc import achieved_cr
+    from dmc_train.recipes import load_config
     from dmc_train.training.loop import train
 
     results = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dmc_train.models.dmc.attention import DMCCoreAttention, DMCSelfAttention, DMCState, DecisionHandoff
+from dmc_train.models.dmc.attention import DecisionHandoff, DMCCoreAttention, DMCSelfAttention, DMCState
 from dmc_train.models.dmc.cr_loss import FORMS, AttachLoss, CRLossTracker
 from dmc_train.models.llama_weights import qkv_by_group
 

@@ -35,8 +35,10 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    reduce_from_tensor_model_parallel_region)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.attention import SelfAttention
 
 from dmc_train.models.attention import SDPACoreAttention

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from dmc_inputs import hard_alpha, make_inputs, random_vjp
+
 from kernels.dmc import partial_accumulation, reference_partial_accumulation
 
 

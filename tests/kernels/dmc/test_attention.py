@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
+from dmc_inputs import IMPLS, hard_alpha, make_inputs, random_vjp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dmc_inputs import IMPLS, hard_alpha, make_inputs, random_vjp
 from kernels.dmc import dense_dmc_attention, dmc_attention, dmc_attention_bias, partial_accumulation
 
 

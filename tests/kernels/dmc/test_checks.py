@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from dmc_inputs import make_inputs
+
 from kernels.dmc import dmc_attention, partial_accumulation, simulate_dmc_inference
 
 

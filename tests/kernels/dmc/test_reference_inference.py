@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from dmc_inputs import IMPLS, hard_alpha, make_inputs
+
 from kernels.dmc import DMCHeadCache, dmc_attention, partial_accumulation, simulate_dmc_inference
 
 

@@ -1,0 +1,1 @@
+"""Checkpoint conversions (GQA today; Hugging Face import/export next)."""
