@@ -54,14 +54,6 @@ def recipes_dir() -> str:
                       f"(source checkout) holds config.yaml; reinstall dmc_train or set {RECIPES_ENV}")
 
 
-def __getattr__(name: str) -> str:
-    """``RECIPES_DIR``: the same as :func:`recipes_dir` (resolved at each access, not at import, so
-    the override applies and a missing tree fails where it is used); kept for existing imports."""
-    if name == "RECIPES_DIR":
-        return recipes_dir()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def register_schema() -> None:
     """Register the typed schema (``schema``) and one node per method (group ``method``) with Hydra."""
     from hydra.core.config_store import ConfigStore

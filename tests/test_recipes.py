@@ -5,9 +5,9 @@ import os
 import pytest
 
 from dmc_train.errors import ConfigError
-from dmc_train.recipes import RECIPES_DIR, load_config, validate
+from dmc_train.recipes import load_config, recipes_dir, validate
 
-RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(RECIPES_DIR, "recipe")) if f.endswith(".yaml"))
+RECIPES = sorted(f[:-5] for f in os.listdir(os.path.join(recipes_dir(), "recipe")) if f.endswith(".yaml"))
 BIG = {"llama2_7b": (6.74e9, 8), "llama2_13b": (13.0e9, 8), "llama2_70b": (69.0e9, 64)}
 BIG.update({"dmc_7b": BIG["llama2_7b"], "dmc_13b": BIG["llama2_13b"], "dmc_70b": BIG["llama2_70b"],
             "gqa_7b": (6.20e9, 8)})  # 16 KV heads instead of 32
@@ -26,7 +26,7 @@ def test_recipe_composes_and_validates(name):
 
 @pytest.mark.parametrize("name", sorted(BIG))
 def test_big_recipes_carry_paper_settings(name):
-    from dmc_train.models.llama import count_parameters
+    from dmc_train.models.shape import count_parameters
 
     cfg = load_config([f"+recipe={name}", "data.prefixes=[x]"])
     o = cfg.optim

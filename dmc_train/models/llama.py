@@ -147,8 +147,3 @@ def build_model(cfg: Any, attention: Optional[ModuleSpec] = None) -> list[GPTMod
         if config.bf16 or config.fp16:
             chunk.to(config.params_dtype)
     return chunks
-
-
-# Parameters of the full model from its config: the one formula, torch-free (also used by
-# dmc_train.cluster.memory); re-exported here for existing callers.
-from dmc_train.models.shape import count_parameters  # noqa: E402,F401

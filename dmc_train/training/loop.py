@@ -21,9 +21,11 @@ from dmc_train import config as config_mod
 from dmc_train import distributed
 from dmc_train.data.datasets import build_datasets
 from dmc_train.errors import TrainingDiverged
-from dmc_train.methods import build_method, validate_method
+from dmc_train.methods import build_method
 from dmc_train.methods.base import Method
-from dmc_train.models.llama import build_model, count_parameters
+from dmc_train.models.llama import build_model
+from dmc_train.models.shape import count_parameters
+from dmc_train.recipes import validate
 from dmc_train.training import checkpointing as ckpt_mod
 from dmc_train.training.forward import batch_losses, evaluate_loss, lm_forward_step, reduce_losses
 from dmc_train.training.logging import RunLogger
@@ -43,8 +45,7 @@ class Trainer:
     """Holds the model chunks, optimizer, scheduler and data position of one run."""
 
     def __init__(self, cfg: Any, method: Optional[Method] = None):
-        config_mod.validate(cfg, distributed.read_launch_env().world_size)
-        validate_method(cfg)
+        validate(cfg, distributed.read_launch_env().world_size)
         self.env = distributed.initialize(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline,
                                           cfg.train.seed, cfg.parallel.timeout_minutes)
         cfg.run_dir = distributed.broadcast_object(cfg.run_dir)  # e.g. a ${now:...} run dir: rank 0's wins
@@ -63,7 +64,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         self.step, self.consumed = 0, 0
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_size = ps.get_data_parallel_world_size()
         self.num_micro = config_mod.num_microbatches(cfg, self.dp_size)
         if self.resume is not None:
             self.step, self.consumed = ckpt_mod.load_checkpoint(cfg, *self.resume, self.model, self.optimizer,
@@ -86,9 +87,9 @@ class Trainer:
         self.scheduler.set_factor(self.method.lr_factor(self.step))
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         t = self.cfg.train
-        step = lm_forward_step(self.method.lm_loss_weight, self.method.loss_terms)
+        forward_step = lm_forward_step(self.method.lm_loss_weight, self.method.loss_terms)
         losses = batch_losses(self.model, self.train_data, self.consumed, t.global_batch_size, t.micro_batch_size,
-                              t.seq_length, step, forward_only=False)
+                              t.seq_length, forward_step, forward_only=False)
         metrics = reduce_losses(losses)
         if self._all_finite(metrics["lm_loss"]):
             ok, grad_norm, _ = self.optimizer.step()

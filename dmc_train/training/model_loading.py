@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 from dmc_train import config as config_mod
 from dmc_train import distributed
-from dmc_train.methods import METHODS, build_method, validate_method
+from dmc_train.methods import METHODS, build_method
 from dmc_train.models.llama import build_model
+from dmc_train.recipes import validate
 from dmc_train.training import checkpointing as ckpt_mod
 
 
@@ -55,8 +56,7 @@ def load_model(checkpoint: str, overrides: Sequence[str] = (), cfg: Optional[Any
     if cfg is None:
         single = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.virtual_pipeline=null"]
         cfg = config_from_checkpoint(meta, [*single, *overrides])
-    config_mod.validate(cfg, distributed.read_launch_env().world_size)
-    validate_method(cfg)
+    validate(cfg, distributed.read_launch_env().world_size)
     ckpt_mod.check_model_shape(ckpt, meta, cfg)
     p = cfg.parallel
     distributed.initialize(p.tensor, p.pipeline, p.virtual_pipeline, cfg.train.seed, p.timeout_minutes)
