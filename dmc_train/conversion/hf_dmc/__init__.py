@@ -1,0 +1,1 @@
+"""DMC models inside Hugging Face transformers: the self-contained modeling file shipped with a DMC export."""
