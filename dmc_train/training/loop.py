@@ -27,6 +27,7 @@ from dmc_train.models.llama import build_model
 from dmc_train.models.shape import count_parameters
 from dmc_train.recipes import validate
 from dmc_train.training import checkpointing as ckpt_mod
+from dmc_train.training import hf_loading
 from dmc_train.training.forward import batch_losses, evaluate_loss, lm_forward_step, reduce_losses
 from dmc_train.training.logging import RunLogger
 from dmc_train.training.preemption import PreemptionHandler
@@ -52,7 +53,9 @@ class Trainer:
         self.cfg = cfg
         self.method = method or build_method(cfg)
         self.resume = ckpt_mod.resolve_resume(cfg)  # before building: mismatches fail fast
-        if self.resume is None and cfg.checkpoint.init_from:
+        if self.resume is None and cfg.checkpoint.init_from and hf_loading.is_hf_dir(cfg.checkpoint.init_from):
+            hf_loading.check_hf_model_shape(cfg.checkpoint.init_from, cfg)
+        elif self.resume is None and cfg.checkpoint.init_from:
             init = ckpt_mod.find_checkpoint(cfg.checkpoint.init_from)
             ckpt_mod.check_model_shape(init, ckpt_mod.read_meta(init), cfg)
         self.total_steps = total_steps(cfg)
@@ -70,7 +73,10 @@ class Trainer:
             self.step, self.consumed = ckpt_mod.load_checkpoint(cfg, *self.resume, self.model, self.optimizer,
                                                                 self.scheduler, self.method)
         elif cfg.checkpoint.init_from:
-            ckpt_mod.load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg)
+            if hf_loading.is_hf_dir(cfg.checkpoint.init_from):  # a Hugging Face Llama directory
+                hf_loading.load_hf_into_model(cfg.checkpoint.init_from, [m.module for m in self.model], cfg)
+            else:
+                ckpt_mod.load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg)
             self.optimizer.reload_model_params()
         self.method.attach(self)
 

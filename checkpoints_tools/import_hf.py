@@ -1,0 +1,37 @@
+"""Import a Hugging Face Llama model directory as a weights-only checkpoint (with its tokenizer).
+
+    python checkpoints_tools/import_hf.py --input llama-2-7b-hf --output runs/inits/llama2_7b
+    python -m checkpoints_tools.import_hf ...                      # same, from an installed package
+    python launch/pretrain.py ... checkpoint.init_from=runs/inits/llama2_7b
+
+``--input``: a directory with ``config.json`` and ``model.safetensors`` (or sharded safetensors with
+``model.safetensors.index.json``, or ``pytorch_model.bin`` [+ index]), plus its tokenizer files.
+``--output``: a checkpoint loadable at any TP/PP layout; its tokenizer is in ``<output>/tokenizer``.
+Logic and checks: ``dmc_train/conversion/hf_import.py``.
+"""
+
+import argparse
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", required=True, help="Hugging Face model directory (LlamaForCausalLM)")
+    parser.add_argument("--output", required=True, help="directory for the weights-only checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="parameter dtype of the checkpoint (train.precision of its config)")
+    args = parser.parse_args()
+
+    from dmc_train import cli, distributed
+    from dmc_train.conversion.hf_import import import_hf, imported_meta_summary
+
+    def run():
+        out = import_hf(args.input, args.output, overwrite=args.overwrite, dtype=args.dtype)
+        print(imported_meta_summary(out), flush=True)
+
+    cli.run_reporting_errors(run)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Hugging Face Llama import: tiny random ``LlamaForCausalLM`` models (MHA/GQA, tied/untied, single and
+sharded safetensors, sharded ``.bin``) imported and compared logit by logit with transformers, loaded
+at other layouts, used directly by training (``checkpoint.init_from=<HF dir>``), and bad inputs."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import run
+from tests.scripts.hf_import_checks import hf_logits, make, make_tokenizer, ragged
+
+SCRIPT = "tests/scripts/hf_import_checks.py"
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+KINDS = ("gqa", "mha_tied", "gqa_bin")
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    for kind in KINDS:
+        make(str(root / kind), kind)
+    return root
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models, tmp_path_factory):
+    """``gqa`` imported with the command line, the others with import_hf; each compared with HF at TP=1."""
+    out = tmp_path_factory.mktemp("imported")
+    proc = run(["checkpoints_tools/import_hf.py", "--input", str(hf_models / "gqa"), "--output", str(out / "gqa")],
+               env=ENV)
+    assert "wrote" in proc.stdout
+    pairs = [str(p) for kind in KINDS for p in (hf_models / kind, out / kind)]
+    run([SCRIPT, "imports", str(out / "res.json"), *pairs], env=ENV)
+    return out, json.loads((out / "res.json").read_text())
+
+
+def test_imported_logits_equal_hf(imported, hf_models):
+    out, res = imported
+    for kind in KINDS:
+        assert res[kind]["logit_scale"] > 1  # weights large enough for the comparison to mean something
+        assert res[kind]["max_diff"] < 1e-4, (kind, res[kind])
+        assert res[kind]["meta"]["hf_source"] == str(hf_models / kind)
+    assert res["mha_tied"]["meta"]["tie_word_embeddings"] and not res["gqa"]["meta"]["tie_word_embeddings"]
+    # the tokenizer came along, and the saved config's data.tokenizer points at it
+    assert res["gqa"]["data_tokenizer"] == str(out / "gqa" / "tokenizer")
+    assert sorted(os.listdir(out / "gqa" / "tokenizer")) == ["tokenizer.json", "tokenizer_config.json"]
+    assert res["mha_tied"]["data_tokenizer"] == str(out / "mha_tied" / "tokenizer" / "tokenizer.model")
+    assert os.listdir(out / "mha_tied" / "tokenizer") == ["tokenizer.model"]
+    assert res["gqa_bin"]["data_tokenizer"] is None
+    assert not [p for p in os.listdir(out) if p.endswith((".tmp", ".importing"))]
+
+
+@pytest.mark.distributed
+def test_any_layout_and_training_start_from_the_hf_weights(imported, hf_models, tmp_path):
+    out, _ = imported
+    hf = str(hf_models / "gqa")
+    run([SCRIPT, "layouts", str(tmp_path / "lay.json"), str(out / "gqa"), hf, str(tmp_path / "run")],
+        nproc=2, env=ENV)
+    res = json.loads((tmp_path / "lay.json").read_text())
+    # load_hf_into_model's local shards are exactly megatron's resharding of the TP=1 import
+    for layout in ("tp1", "tp2", "pp2", "pp2_vpp2"):
+        assert res[layout]["shard_diff"] == 0.0, layout
+    assert res["pp2"]["params"] == [13, 14]  # embedding + 2 layers | 2 layers + final norm + output layer
+    tokens, lengths = ragged(512)
+    theirs = hf_logits(hf, tokens, lengths)
+    for layout in ("tp1", "tp2", "pp2", "train"):
+        ours = torch.tensor(res[layout]["logits"])
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(ours[i, :n], theirs[i], rtol=1e-4, atol=1e-4, msg=layout)
+    assert 0 < res["train"]["loss"] < 20
+
+
+def _copy(src, dest, config=None):
+    shutil.copytree(src, dest)
+    if config:
+        hf = json.loads((dest / "config.json").read_text())
+        hf.update(config)
+        (dest / "config.json").write_text(json.dumps(hf))
+    return dest
+
+
+def test_bad_inputs_fail_in_one_line_and_leave_nothing(hf_models, imported, tmp_path):
+    cases = {
+        "gpt2": _copy(hf_models / "gqa", tmp_path / "gpt2",
+                      {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}),
+        "llama3_rope": _copy(hf_models / "gqa", tmp_path / "llama3_rope", {"rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        "truncated": _copy(hf_models / "mha_tied", tmp_path / "truncated"),
+        "missing_shard": _copy(hf_models / "mha_tied", tmp_path / "missing_shard"),
+        "no_weights": tmp_path / "no_weights",
+        "shape": _copy(hf_models / "gqa_bin", tmp_path / "shape", {"intermediate_size": 160}),
+        "tokenizer": _copy(hf_models / "gqa", tmp_path / "tokenizer"),
+        "verify": _copy(hf_models / "gqa", tmp_path / "verify"),
+    }
+    shard = tmp_path / "truncated" / "model-00003-of-00005.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    os.remove(tmp_path / "missing_shard" / "model-00002-of-00005.safetensors")
+    os.makedirs(cases["no_weights"])
+    shutil.copy(hf_models / "gqa" / "config.json", cases["no_weights"])
+    make_tokenizer(str(cases["tokenizer"]), 600)
+    run([SCRIPT, "errors", str(tmp_path / "err.json"), *[f"{k}={v}" for k, v in cases.items()]], env=ENV)
+    res = json.loads((tmp_path / "err.json").read_text())
+    expected = {
+        "gpt2": "model_type='gpt2'",
+        "llama3_rope": "rope scaling of type 'llama3'",
+        "truncated": "model-00003-of-00005.safetensors cannot be read",
+        "missing_shard": "model-00002-of-00005.safetensors is missing",
+        "no_weights": "holds no weights",
+        "shape": "model.layers.0.mlp.gate_proj.weight has shape (176, 64) but the model config needs (160, 64)",
+        "tokenizer": "has 600 tokens but the model's vocab_size is 512",
+        "verify": "the imported model's logits differ from the Hugging Face model's",
+    }
+    for case, text in expected.items():
+        error = res[case]["error"]
+        assert error is not None and text in error and "\n" not in error, (case, error)
+        assert res[case]["left"] == [], (case, res[case]["left"])
+
+    out, _ = imported  # an existing output is refused without --overwrite (and left as it was)
+    before = sorted(os.listdir(out / "gqa"))
+    proc = run(["-m", "checkpoints_tools.import_hf", "--input", str(hf_models / "gqa"), "--output", str(out / "gqa")],
+               check=False, env=ENV)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "pass --overwrite" in errors[0], proc.stderr[-2000:]
+    assert sorted(os.listdir(out / "gqa")) == before
+
+
+def test_training_from_hf_refuses_another_model_shape(hf_models, tmp_path):
+    proc = run(["launch/pretrain.py", "+recipe=tiny_pretrain", f"checkpoint.init_from={hf_models / 'gqa'}",
+                f"run_dir={tmp_path / 'run'}", "train.max_steps=1"], check=False, env=ENV)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "num_query_groups: config.json 4 vs config 8" in errors[0]
