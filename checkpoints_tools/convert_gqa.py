@@ -18,7 +18,8 @@ def main() -> None:
     parser.add_argument("--input", required=True, help="checkpoint (or run directory) to convert")
     parser.add_argument("--output", required=True, help="directory for the converted weights-only checkpoint")
     parser.add_argument("--groups", type=int, required=True, help="query groups (KV heads) of the result")
-    parser.add_argument("--force", action="store_true", help="replace an existing --output")
+    parser.add_argument("--overwrite", "--force", dest="force", action="store_true",
+                        help="replace an existing --output")
     args = parser.parse_args()
 
     from dmc_train import cli, distributed

@@ -14,18 +14,12 @@ Steps (each a function a DMC export reuses, see :func:`export`):
 3. :func:`export` writes ``manifest.json`` and renames ``<out>.tmp`` to ``<out>``; on any failure the
    temporary directory is removed, so nothing that looks valid is left.
 
-A DMC export reuses all of it and adds only files and config fields::
-
-    def write_dmc(loaded, directory, dtype, max_shard_size):
-        settings = dmc_settings_from_method(loaded.cfg.method, head_dim, step=loaded.meta["step"])
-        return write_model_dir(loaded, directory, dtype, max_shard_size,
-                               finish_config=lambda d, c: write_dmc_files(d, c, settings))
-
-    export(load_model(ckpt), out, dtype=dtype, write=write_dmc,
-           loader=lambda d: AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True, local_files_only=True,
-                                                                 dtype=torch.float32).eval())
-
-(:func:`export_hf` refuses ``dmc``/``fixed_pooling`` checkpoints until that is wired.)
+A DMC checkpoint reuses all of it and adds only files and config fields
+(:func:`write_dmc_model_dir`: the self-contained modeling file of :mod:`dmc_train.conversion.hf_dmc`,
+a model card and the ``dmc_*`` fields) and is verified through ``trust_remote_code``
+(:func:`load_dmc_llama`): the exported model's no-cache forward is DMC's teacher-forced attention, so
+its logits must equal ours. Fixed Memory Pooling and checkpoints still in DMC's zero-out stage are
+refused (one line).
 
 Tolerances (:data:`TOLERANCE`): the reloaded model runs in fp32 whatever the file dtype, so the
 difference measures only the rounding of the stored weights: fp32 max |diff| <= 1e-4, bf16 and fp16
@@ -35,6 +29,7 @@ head, a transposed tensor) moves logits by their own scale and fails these bound
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -44,10 +39,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from dmc_train.conversion.hf_config import hf_config_from_model
 from dmc_train.conversion.hf_tokenizer import write_tokenizer
 from dmc_train.distributed import read_launch_env
 from dmc_train.errors import CheckpointError, ConfigError
+from dmc_train.models.hf_config import hf_config_from_model
 from dmc_train.models.llama_weights import megatron_to_hf
 from dmc_train.training.checkpointing import find_checkpoint, read_meta
 
@@ -293,11 +288,32 @@ def export_hf(checkpoint: str, out: str, overwrite: bool = False, dtype: str = "
     ckpt = find_checkpoint(checkpoint)
     check_output(out, overwrite, ckpt)
     meta = read_meta(ckpt)
-    method = checkpoint_method(meta)
-    if method in DMC_METHODS:
-        raise ConfigError(f"checkpoint {ckpt} is a {method} model; DMC models are exported with the DMC modeling "
-                          f"file (dmc_train/conversion/hf_dmc), which this exporter does not wire yet")
+    if checkpoint_method(meta) in DMC_METHODS:
+        from dmc_train.conversion.hf_dmc import dmc_settings_from_method
+
+        m = meta["config"]["model"]
+        settings = dmc_settings_from_method(meta["config"]["method"], m["hidden_size"] // m["num_attention_heads"],
+                                            step=meta.get("step"))  # refuses fixed pooling, zero-out stage
+        return export(load_model(ckpt), out, overwrite=overwrite, dtype=dtype, max_shard_size=max_shard_size,
+                      write=functools.partial(write_dmc_model_dir, settings=settings), loader=load_dmc_llama,
+                      extra_manifest={"dmc": settings})
     return export(load_model(ckpt), out, overwrite=overwrite, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def write_dmc_model_dir(loaded: Any, directory: str, dtype: str, max_shard_size: int | str, settings: dict) -> dict:
+    """:func:`write_model_dir` plus the DMC modeling file, model card and ``dmc_*`` config fields."""
+    from dmc_train.conversion.hf_dmc import write_dmc_files
+
+    return write_model_dir(loaded, directory, dtype, max_shard_size,
+                           finish_config=lambda d, c: write_dmc_files(d, c, settings))
+
+
+def load_dmc_llama(directory: str) -> torch.nn.Module:
+    """The DMC loader: the exported modeling file through ``trust_remote_code``, offline, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True,
+                                                dtype=torch.float32).eval()
 
 
 def _write_json(path: str, value: Any) -> None:

@@ -5,7 +5,7 @@
 
 What :func:`import_hf` does, in order (nothing is left at ``out`` unless every step passed):
 
-1. ``config.json`` -> the ``model`` node (:func:`~dmc_train.conversion.hf_config.model_config_from_hf`
+1. ``config.json`` -> the ``model`` node (:func:`~dmc_train.models.hf_config.model_config_from_hf`
    refuses what the project's Llama cannot represent); every weight shard is opened (headers checked).
 2. The tokenizer (``tokenizer.model`` and/or ``tokenizer.json`` + its config files) is copied and
    loaded; a vocabulary larger than the model's ``vocab_size`` is refused.
@@ -28,9 +28,9 @@ import torch
 from omegaconf import OmegaConf
 
 from dmc_train import distributed
-from dmc_train.conversion.hf_config import model_config_from_hf
 from dmc_train.data.tokenizer import load_tokenizer
 from dmc_train.errors import CheckpointError, ConfigError, DataError
+from dmc_train.models.hf_config import model_config_from_hf
 from dmc_train.models.llama import build_model
 from dmc_train.recipes import load_config
 from dmc_train.training.checkpointing import save_weights
@@ -38,7 +38,7 @@ from dmc_train.training.forward import logits
 from dmc_train.training.hf_loading import HFWeights, load_hf_into_model, read_hf_config
 from dmc_train.training.model_loading import load_model
 
-__all__ = ["import_hf", "load_hf_into_model", "hf_run_config", "TOKENIZER_FILES", "TOLERANCE"]
+__all__ = ["import_hf", "hf_run_config", "TOKENIZER_FILES", "TOLERANCE"]
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -5,8 +5,7 @@
 
 Used by ``checkpoint.init_from=<HF dir>`` in the trainer and by the importer
 (:mod:`dmc_train.conversion.hf_import`). It lives in ``training/`` rather than ``conversion/`` because the
-trainer (layer 8) may not import ``conversion/`` (layer 9); ``conversion.hf_weights`` and
-``conversion.hf_import`` re-export it.
+trainer (layer 8) may not import ``conversion/`` (layer 9).
 
 Memory: one parameter at a time. For each local parameter the full (TP=1) tensor is built from the
 Hugging Face tensor(s) (safetensors ``safe_open`` / ``torch.load(mmap=True)`` read only that tensor),
@@ -34,6 +33,7 @@ from megatron.core import parallel_state
 
 from dmc_train.config import kv_groups
 from dmc_train.errors import CheckpointError, ConfigError
+from dmc_train.models.hf_config import model_config_from_hf
 from dmc_train.models.llama_weights import hf_names, merge_fc1, merge_qkv
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -41,11 +41,8 @@ BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 _SKIP = re.compile(r"(^|\.)_extra_state$")
 _COLUMN = ("self_attention.linear_qkv.weight", "output_layer.weight", "embedding.word_embeddings.weight")
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-# HF config.json key -> our model field, for the trainer's shape check (the full mapping, with its
-# refusals, is dmc_train.conversion.hf_config, which training/ may not import).
-_HF_SHAPE = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "ffn_hidden_size",
-             "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_query_groups",
-             "vocab_size": "vocab_size"}
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "vocab_size", "rotary_base", "norm_epsilon")
 
 
 def is_hf_dir(path: str) -> bool:
@@ -66,22 +63,14 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def check_hf_model_shape(hf_dir: str, cfg: Any) -> None:
-    """One-line ConfigError if ``hf_dir``'s config.json is not a Llama of ``cfg.model``'s shape (layer
-    sizes, heads, groups, vocabulary, RoPE base, norm epsilon)."""
-    hf = read_hf_config(hf_dir)
-    if hf.get("model_type", "llama") != "llama":
-        raise ConfigError(f"checkpoint.init_from={hf_dir} is a {hf.get('model_type')!r} model; only Llama "
-                          f"models can be loaded")
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
-        raise ConfigError(f"checkpoint.init_from={hf_dir} uses scaled RoPE ({rope}); only unscaled RoPE is supported")
-    ours = {**{k: cfg.model.get(k) for k in _HF_SHAPE.values()}, "num_query_groups": kv_groups(cfg.model),
-            "rotary_base": float(cfg.model.rotary_base), "norm_epsilon": float(cfg.model.norm_epsilon)}
-    theirs = {ours_key: hf.get(hf_key) for hf_key, ours_key in _HF_SHAPE.items()}
-    theirs["num_query_groups"] = theirs["num_query_groups"] or hf.get("num_attention_heads")
-    theirs["rotary_base"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    theirs["norm_epsilon"] = float(hf.get("rms_norm_eps", 1e-5))
-    diffs = [f"{k}: config.json {theirs[k]} vs config {ours[k]}" for k in ours if theirs[k] != ours[k]]
+    """One-line ConfigError if ``hf_dir``'s config.json is not a Llama the project can load
+    (:func:`~dmc_train.models.hf_config.model_config_from_hf`) or not of ``cfg.model``'s shape."""
+    theirs = model_config_from_hf(read_hf_config(hf_dir))
+    theirs["num_query_groups"] = theirs["num_query_groups"] or theirs["num_attention_heads"]
+    ours = {k: cfg.model.get(k) for k in SHAPE_FIELDS}
+    ours["num_query_groups"] = kv_groups(cfg.model)
+    diffs = [f"{k}: config.json {theirs[k]} vs config {ours[k]}" for k in SHAPE_FIELDS
+             if float(theirs[k]) != float(ours[k])]
     if diffs:
         raise ConfigError(f"checkpoint.init_from={hf_dir} has a different model shape ({'; '.join(diffs)}); "
                           f"use the matching model config (checkpoints_tools/import_hf.py writes one)")

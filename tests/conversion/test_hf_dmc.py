@@ -31,7 +31,8 @@ def exported(request, tmp_path_factory):
     """(project results, HF directory, accumulation) for a tiny DMC model trained 3 steps and exported."""
     root = tmp_path_factory.mktemp(f"hf_dmc_{request.param}")
     run([*TRAIN, *ACCUMULATIONS[request.param], f"run_dir={root / 'run'}"])
-    res = run_json(["tests/scripts/hf_dmc_checks.py", str(root / "run"), str(root / "hf")], str(root / "out.json"))
+    run(["checkpoints_tools/export_hf.py", "--input", str(root / "run"), "--output", str(root / "hf")])
+    res = run_json(["tests/scripts/hf_dmc_checks.py", str(root / "run")], str(root / "out.json"))
     return res, root / "hf", request.param
 
 
@@ -47,8 +48,12 @@ def test_export_directory_loads_as_dmc_llama(exported, hf_model):
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["model_type"] == "dmc_llama" and config["architectures"] == ["DMCLlamaForCausalLM"]
     assert config["dmc_decision_channel"] == 7 and config["dmc_accumulation"] == accumulation
-    assert sorted(p.name for p in hf_dir.iterdir()) == ["README.md", "config.json", "model.safetensors",
-                                                       "modeling_dmc_llama.py"]
+    names = sorted(p.name for p in hf_dir.iterdir())
+    assert {"README.md", "config.json", "manifest.json", "modeling_dmc_llama.py", "model.safetensors.index.json"} \
+        <= set(names) and any(n.endswith(".safetensors") for n in names)
+    manifest = json.loads((hf_dir / "manifest.json").read_text())
+    assert manifest["method"] == "dmc" and manifest["dmc"]["dmc_accumulation"] == accumulation
+    assert manifest["verification"]["max_abs_logit_diff"] <= 1e-4  # the exporter checked DMC's own forward
     assert type(hf_model).__name__ == "DMCLlamaForCausalLM" and hf_model.config.dmc_init_offset == 0.0
     # mixed decisions: the checks below see both appends and merges
     assert all(0.2 < f < 0.8 for f in res["merge_fraction"])
@@ -169,9 +174,9 @@ def test_settings_from_the_method_config():
         "dmc_decision_channel": 0, "dmc_init_offset": 5.0, "dmc_accumulation": "window", "dmc_window": 5,
         "dmc_shared_decisions": True}
     as_dict = {"name": "dmc", "decision_channel": "last", "init_offset": 0.5, "zero_out_steps": 10}
-    assert dmc_settings_from_method(as_dict, 8, step=10)["dmc_decision_channel"] == 7  # meta.json's dict
-    with pytest.raises(ConfigError, match="zero-out stage"):
-        dmc_settings_from_method(as_dict, 8, step=9)
+    assert dmc_settings_from_method(as_dict, 8, step=11)["dmc_decision_channel"] == 7  # meta.json's dict
+    with pytest.raises(ConfigError, match="zero-out stage"):  # step 10's rows are zeroed as step 10 starts
+        dmc_settings_from_method(as_dict, 8, step=10)
     with pytest.raises(ConfigError, match="only DMC models"):
         dmc_settings_from_method(load_config(["+recipe=tiny_pretrain", "method=fixed_pooling"]).method, 8)
 

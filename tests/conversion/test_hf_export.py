@@ -95,12 +95,12 @@ def test_bad_input_is_refused_with_one_line(exported, tmp_path):
     _fails_with_one_line(["--input", str(work / "mha")], existing, "pass --overwrite")
     assert sorted(os.listdir(existing)) == before
 
-    dmc = tmp_path / "dmc_ckpt"
+    dmc = tmp_path / "dmc_ckpt"  # DMC models export (tests/conversion/test_hf_dmc.py), Fixed Memory Pooling not
     shutil.copytree(work / "mha" / "checkpoints" / "iter_0000002", dmc)
     meta = json.loads((dmc / "meta.json").read_text())
-    meta["method"] = meta["config"]["method"]["name"] = "dmc"
+    meta["method"] = meta["config"]["method"]["name"] = "fixed_pooling"
     (dmc / "meta.json").write_text(json.dumps(meta))
-    _fails_with_one_line(["--input", str(dmc)], tmp_path / "dmc_hf", "DMC models are exported with the DMC")
+    _fails_with_one_line(["--input", str(dmc)], tmp_path / "dmc_hf", "only DMC models (method=dmc) can be exported")
     assert not (tmp_path / "dmc_hf").exists()
 
     _fails_with_one_line(["--input", str(tmp_path / "missing")], tmp_path / "missing_hf", "does not exist")

@@ -134,3 +134,25 @@ def test_training_from_hf_refuses_another_model_shape(hf_models, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert "num_query_groups: config.json 4 vs config 8" in errors[0]
+
+
+def _hf_tensors(directory):
+    """All tensors of a Hugging Face directory by name (the importer's own lazy reader)."""
+    from dmc_train.training.hf_loading import HFWeights
+
+    weights = HFWeights(str(directory))
+    return {name: weights.get(name) for name in weights.names()}
+
+
+def test_round_trip_hf_ours_hf_is_bit_identical(imported, hf_models, tmp_path):
+    """The real tools both ways: import (above), then export, and every tensor equals the original."""
+    out, _ = imported
+    for kind in KINDS:
+        back = tmp_path / f"{kind}_back"
+        run(["checkpoints_tools/export_hf.py", "--input", str(out / kind), "--output", str(back)], env=ENV)
+        original, exported = _hf_tensors(hf_models / kind), _hf_tensors(back)
+        assert sorted(exported) == sorted(original), kind
+        for name, tensor in original.items():
+            assert torch.equal(exported[name], tensor), (kind, name)
+        config = json.loads((back / "config.json").read_text())
+        assert config["tie_word_embeddings"] == (kind == "mha_tied")

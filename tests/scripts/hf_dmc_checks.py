@@ -1,12 +1,11 @@
-"""Export a trained tiny DMC checkpoint as a ``dmc_llama`` Hugging Face directory and record what the
-project computes for it: eval logits of a batch, greedy continuations of prompts (a full forward per
-step) and the number of cache slots per (layer, KV head) that Algorithm 1 keeps for each sequence.
+"""Record what the project computes for a trained tiny DMC checkpoint: eval logits of a batch, greedy
+continuations of prompts (a full forward per step) and the number of cache slots per (layer, KV head)
+that Algorithm 1 keeps for each sequence (the test exports it with ``checkpoints_tools/export_hf.py``).
 
-    python tests/scripts/hf_dmc_checks.py <out.json> <run_dir> <hf_dir>
+    python tests/scripts/hf_dmc_checks.py <out.json> <run_dir>
 """
 
 import json
-import os
 import sys
 
 import torch
@@ -15,27 +14,13 @@ PROMPT_LENGTHS = (9, 4, 13)
 NEW_TOKENS = 16
 
 
-def main(out_path: str, run_dir: str, hf_dir: str) -> None:
-    from safetensors.torch import save_file
-
+def main(out_path: str, run_dir: str) -> None:
     from dmc_train import distributed
-    from dmc_train.conversion.hf_config import hf_config_from_model
-    from dmc_train.conversion.hf_dmc import dmc_settings_from_method, write_dmc_files
-    from dmc_train.models.llama_weights import megatron_to_hf
     from dmc_train.training.forward import logits
     from dmc_train.training.model_loading import load_model
 
     loaded = load_model(run_dir)
     model_cfg, chunk = loaded.cfg.model, loaded.model[0]
-    heads = model_cfg.num_attention_heads
-    groups = model_cfg.num_query_groups or heads
-    state = megatron_to_hf(chunk.state_dict(), heads, groups)
-    settings = dmc_settings_from_method(loaded.cfg.method, model_cfg.hidden_size // heads)
-    config = write_dmc_files(hf_dir, hf_config_from_model(model_cfg), settings)
-    with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, os.path.join(hf_dir, "model.safetensors"),
-              metadata={"format": "pt"})
 
     alphas = {}  # layer -> hard alpha [b, groups, s] of the last forward
     for i, layer in enumerate(chunk.decoder.layers):

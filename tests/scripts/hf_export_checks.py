@@ -95,8 +95,8 @@ def round_trip(work, name, tie, tokenizer=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dmc_train import distributed
-    from dmc_train.conversion.hf_config import model_config_from_hf
     from dmc_train.conversion.hf_export import export_hf
+    from dmc_train.models.hf_config import model_config_from_hf
     from dmc_train.models.llama import build_model
     from dmc_train.models.llama_weights import hf_to_megatron
     from dmc_train.recipes import load_config

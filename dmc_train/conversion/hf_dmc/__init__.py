@@ -69,7 +69,7 @@ def dmc_settings_from_method(method: Any, head_dim: int, step: int | None = None
     if channel not in channels:
         raise ConfigError(f"method.decision_channel={channel!r}; expected one of last, first")
     zero_out = int(field("zero_out_steps", 0) or 0)
-    if step is not None and step < zero_out:
+    if step is not None and zero_out and step <= zero_out:  # rows are zeroed as step zero_out starts
         raise ConfigError(f"the checkpoint (step {step}) is still in DMC's zero-out stage "
                           f"(method.zero_out_steps={zero_out}), where attention is vanilla; export a later checkpoint")
     return {
