@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from dmc_train.config import kv_groups
 from dmc_train.conversion.hf_tokenizer import write_tokenizer
 from dmc_train.distributed import read_launch_env
 from dmc_train.errors import CheckpointError, ConfigError
@@ -167,7 +168,7 @@ def write_model_dir(loaded: Any, directory: str, dtype: str = "float32",
         raise ConfigError("export needs the model at TP=1 PP=1 without virtual stages (one chunk)")
     chunk, m = loaded.model[0], loaded.cfg.model
     heads = m.num_attention_heads
-    groups = m.num_query_groups or heads
+    groups = kv_groups(m)
     tie = tied_embeddings(chunk)
     tok = write_tokenizer(loaded.cfg.data.tokenizer, directory, m.max_position_embeddings)
     config = hf_config_from_model(m, tie_word_embeddings=tie, dtype=dtype)

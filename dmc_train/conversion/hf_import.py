@@ -28,6 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dmc_train import distributed
+from dmc_train.config import kv_groups
 from dmc_train.data.tokenizer import load_tokenizer
 from dmc_train.errors import CheckpointError, ConfigError, DataError
 from dmc_train.models.hf_config import model_config_from_hf
@@ -157,5 +158,5 @@ def imported_meta_summary(out: str) -> str:
     cfg = OmegaConf.load(os.path.join(out, "config.yaml"))
     m = cfg.model
     return (f"wrote {out}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-            f"{m.num_query_groups or m.num_attention_heads} KV groups, vocab {m.vocab_size}, "
+            f"{kv_groups(m)} KV groups, vocab {m.vocab_size}, "
             f"{cfg.train.precision}; tokenizer {cfg.data.tokenizer}")

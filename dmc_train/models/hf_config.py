@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dmc_train.config import kv_groups
 from dmc_train.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -75,7 +76,7 @@ def hf_config_from_model(model: Any, tie_word_embeddings: bool = False, dtype: s
         "intermediate_size": model.ffn_hidden_size,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": model.num_query_groups or heads,
+        "num_key_value_heads": kv_groups(model),
         "head_dim": model.hidden_size // heads,
         "hidden_act": "silu",
         "max_position_embeddings": model.max_position_embeddings,
