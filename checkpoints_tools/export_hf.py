@@ -16,8 +16,8 @@ def main() -> None:
     parser.add_argument("--input", required=True, help="checkpoint (or run directory) to export")
     parser.add_argument("--output", required=True, help="directory for the Hugging Face model")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="dtype of the stored weights (default float32)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16", "float32", "bfloat16", "float16"),
+                        help="dtype of the stored weights (default fp32)")
     parser.add_argument("--max-shard-size", default="5GB", help="byte budget of one safetensors shard (e.g. 2GB)")
     args = parser.parse_args()
 
@@ -25,11 +25,11 @@ def main() -> None:
 
     def run():
         from dmc_train import distributed
-        from dmc_train.conversion.hf_export import MANIFEST, export_hf
+        from dmc_train.conversion.hf_export import MANIFEST, dtype_name, export_hf
 
         out = export_hf(args.input, args.output, overwrite=args.overwrite, dtype=args.dtype,
                         max_shard_size=args.max_shard_size)
-        print(f"wrote {out} ({args.dtype}; verified, see {MANIFEST})", flush=True)
+        print(f"wrote {out} ({dtype_name(args.dtype)}; verified, see {MANIFEST})", flush=True)
         distributed.shutdown()
 
     cli.run_reporting_errors(run)

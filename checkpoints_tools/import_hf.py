@@ -23,6 +23,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from dmc_train import cli, distributed
+
+    distributed.silence_expected_warnings()
     from dmc_train.conversion.hf_import import import_hf, imported_meta_summary
 
     def run():

@@ -75,10 +75,21 @@ def parse_size(size: int | str) -> int:
     return value
 
 
+# The project's precision names (train.precision, the importer's --dtype) are accepted too.
+PRECISION_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def dtype_name(dtype: str) -> str:
+    """``fp32``/``bf16``/``fp16`` or ``float32``/``bfloat16``/``float16`` -> the torch/HF name."""
+    name = PRECISION_NAMES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {', '.join(PRECISION_NAMES)} "
+                          f"(or {', '.join(DTYPES)})")
+    return name
+
+
 def check_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return DTYPES[dtype_name(dtype)]
 
 
 def check_output(out: str, overwrite: bool, src: Optional[str] = None) -> None:
@@ -192,7 +203,9 @@ def verification_tokens(vocab_size: int, max_positions: int) -> torch.Tensor:
 def load_llama(directory: str) -> torch.nn.Module:
     """The standard loader: ``LlamaForCausalLM.from_pretrained`` offline, fp32, eval mode."""
     from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     return LlamaForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32).eval()
 
 
@@ -234,7 +247,7 @@ def export(loaded: Any, out: str, *, overwrite: bool = False, dtype: str = "floa
     (``trust_remote_code``); everything else is shared. Returns ``out`` (absolute)."""
     out = os.path.abspath(out)
     check_output(out, overwrite, loaded.checkpoint)
-    check_dtype(dtype)
+    dtype = dtype_name(dtype)
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -282,7 +295,7 @@ def export_hf(checkpoint: str, out: str, overwrite: bool = False, dtype: str = "
     verified ``LlamaForCausalLM`` directory ``out``; runs in one process. Returns ``out``."""
     from dmc_train.training.model_loading import load_model
 
-    check_dtype(dtype)
+    dtype = dtype_name(dtype)
     parse_size(max_shard_size)
     if read_launch_env().world_size > 1:
         raise ConfigError("the Hugging Face export runs in one process; start it with python, not torchrun")
@@ -312,7 +325,9 @@ def write_dmc_model_dir(loaded: Any, directory: str, dtype: str, max_shard_size:
 def load_dmc_llama(directory: str) -> torch.nn.Module:
     """The DMC loader: the exported modeling file through ``trust_remote_code``, offline, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True,
                                                 dtype=torch.float32).eval()
 

@@ -67,7 +67,7 @@ def test_bf16_export_from_the_command_line(exported, tmp_path):
 
     out = tmp_path / "gqa_bf16"
     proc = run(["-m", "checkpoints_tools.export_hf", "--input", str(exported[1] / "gqa"), "--output", str(out),
-                "--dtype", "bfloat16", "--max-shard-size", "1MB"], env=OFFLINE)
+                "--dtype", "bf16", "--max-shard-size", "1MB"], env=OFFLINE)
     assert "verified" in proc.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dtype"] == "bfloat16" and manifest["tokenizer"]["kind"] == "none"
