@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from dmc_train import distributed
 from dmc_train.config import kv_groups
-from dmc_train.errors import ConfigError
+from dmc_train.conversion import check_output
 from dmc_train.methods.gqa import check_groups, convert_qkv_weight
 from dmc_train.models.llama import build_model
 from dmc_train.training.checkpointing import find_checkpoint, load_weights, read_meta, save_weights
@@ -29,8 +29,7 @@ def convert_gqa_checkpoint(src: str, out: str, groups: int) -> str:
     m = cfg.model
     groups_from = kv_groups(m)
     check_groups(m.num_attention_heads, groups_from, groups)
-    if os.path.abspath(out) == os.path.abspath(src):
-        raise ConfigError(f"--output {out} is the input checkpoint; choose a new directory")
+    check_output(out, overwrite=True, src=src)  # the command line refuses an existing --output itself
     cfg.parallel = {**cfg.parallel, "tensor": 1, "pipeline": 1, "virtual_pipeline": None,
                     "sequence_parallel": False, "distributed_optimizer": False}
     cfg.method.name = "none"

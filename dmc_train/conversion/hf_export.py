@@ -40,12 +40,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from dmc_train.config import kv_groups
+from dmc_train.conversion import check_output, load_llama, verification_tokens
 from dmc_train.conversion.hf_tokenizer import write_tokenizer
 from dmc_train.distributed import read_launch_env
 from dmc_train.errors import CheckpointError, ConfigError
 from dmc_train.models.hf_config import hf_config_from_model
 from dmc_train.models.llama_weights import megatron_to_hf
-from dmc_train.training.checkpointing import find_checkpoint, read_meta
+from dmc_train.training.checkpointing import find_checkpoint, read_meta, replace_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: max |HF logit - our logit| allowed: (absolute, relative to 1 + max |logit|) by exported dtype.
@@ -90,13 +91,6 @@ def dtype_name(dtype: str) -> str:
 
 def check_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype_name(dtype)]
-
-
-def check_output(out: str, overwrite: bool, src: Optional[str] = None) -> None:
-    if src is not None and os.path.abspath(out) == os.path.abspath(src):
-        raise ConfigError(f"--output {out} is the input checkpoint; choose a new directory")
-    if os.path.exists(out) and not overwrite:
-        raise ConfigError(f"--output {out} exists; choose another directory or pass --overwrite")
 
 
 def checkpoint_method(meta: dict) -> str:
@@ -194,21 +188,6 @@ def write_model_dir(loaded: Any, directory: str, dtype: str = "float32",
     return {"config": config, "tokenizer": tok, "index": index}
 
 
-def verification_tokens(vocab_size: int, max_positions: int) -> torch.Tensor:
-    """The fixed prompt ``[2, s]`` (s = min(32, max positions)) the exported logits are compared on."""
-    s = min(32, max_positions)
-    return (torch.arange(2 * s).reshape(2, s) * 7919 + 13) % vocab_size
-
-
-def load_llama(directory: str) -> torch.nn.Module:
-    """The standard loader: ``LlamaForCausalLM.from_pretrained`` offline, fp32, eval mode."""
-    from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    return LlamaForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32).eval()
-
-
 def verify(loaded: Any, directory: str, dtype: str, loader: Callable[[str], torch.nn.Module] = load_llama) -> float:
     """Reload ``directory`` with ``loader`` and compare its logits with our model's on the fixed
     prompt; returns max |diff|, CheckpointError when over :data:`TOLERANCE` for ``dtype``."""
@@ -255,11 +234,7 @@ def export(loaded: Any, out: str, *, overwrite: bool = False, dtype: str = "floa
         written = write(loaded, tmp, dtype, max_shard_size)
         diff = verify(loaded, tmp, dtype, loader)
         _write_json(os.path.join(tmp, MANIFEST), manifest(loaded, dtype, diff, written, extra_manifest))
-        if os.path.exists(out):  # overwrite: the old export goes only once the new one is complete
-            shutil.rmtree(out + ".old", ignore_errors=True)
-            os.rename(out, out + ".old")
-        os.rename(tmp, out)
-        shutil.rmtree(out + ".old", ignore_errors=True)
+        replace_dir(tmp, out)  # overwrite: the old export goes only once the new one is complete
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -29,12 +29,13 @@ from omegaconf import OmegaConf
 
 from dmc_train import distributed
 from dmc_train.config import kv_groups
+from dmc_train.conversion import check_output, load_llama, verification_tokens
 from dmc_train.data.tokenizer import load_tokenizer
 from dmc_train.errors import CheckpointError, ConfigError, DataError
 from dmc_train.models.hf_config import model_config_from_hf
 from dmc_train.models.llama import build_model
 from dmc_train.recipes import load_config
-from dmc_train.training.checkpointing import save_weights
+from dmc_train.training.checkpointing import replace_dir, save_weights
 from dmc_train.training.forward import logits
 from dmc_train.training.hf_loading import HFWeights, load_hf_into_model, read_hf_config
 from dmc_train.training.model_loading import load_model
@@ -80,20 +81,9 @@ def _copy_tokenizer(hf_dir: str, dest: str, vocab_size: int) -> str | None:
     return "tokenizer" if hf_style else os.path.join("tokenizer", "tokenizer.model")
 
 
-def _prompt(vocab_size: int, max_positions: int) -> torch.Tensor:
-    """A fixed ``[2, s]`` batch of token ids that touches low and high ids."""
-    s = min(16, max_positions)
-    return (torch.arange(2 * s).reshape(2, s) * 7919 + 3) % vocab_size
-
-
 @torch.no_grad()
 def _hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
-    model.eval()
+    model = load_llama(hf_dir)
     out = model(input_ids=tokens).logits.float()
     del model
     return out
@@ -109,10 +99,7 @@ def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32
     (loadable at any layout with ``checkpoint.init_from``). One process; returns ``out``."""
     hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
     hf = read_hf_config(hf_dir)
-    if out == hf_dir:
-        raise ConfigError(f"--output {out} is the input directory; choose a new directory")
-    if os.path.exists(out) and not overwrite:
-        raise ConfigError(f"--output {out} exists; choose another directory or pass --overwrite")
+    check_output(out, overwrite, hf_dir)
     cfg = hf_run_config(hf, dtype)
     HFWeights(hf_dir)  # every shard opened: a missing or truncated one fails before any work
     staging, tok_tmp = out + ".importing", out + ".tokenizer.tmp"
@@ -132,7 +119,7 @@ def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32
 
         # One model in memory at a time: ours is freed before the HF reference is built, and the
         # reference before ours is reloaded.
-        tokens = _prompt(cfg.model.vocab_size, cfg.model.max_position_embeddings)
+        tokens = verification_tokens(cfg.model.vocab_size, cfg.model.max_position_embeddings)
         reference = _hf_logits(hf_dir, tokens)
         loaded = load_model(staging)
         ours = logits(loaded.model, tokens).float()
@@ -142,11 +129,7 @@ def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32
             raise CheckpointError(f"the imported model's logits differ from the Hugging Face model's by {err:.2e} "
                                   f"(relative, tolerance {TOLERANCE[dtype]:.0e}); {hf_dir} is not a standard Llama "
                                   f"checkpoint - nothing was written")
-        if os.path.exists(out):  # --overwrite: replace only now that the new one is complete
-            _remove(out + ".old")
-            os.rename(out, out + ".old")
-        os.rename(staging, out)
-        _remove(out + ".old")
+        replace_dir(staging, out)  # --overwrite: the old one goes only now that the new one is complete
     except BaseException:
         _remove(staging, staging + ".tmp", tok_tmp)
         raise

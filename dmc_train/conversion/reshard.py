@@ -25,7 +25,8 @@ import shutil
 from typing import Any, Optional
 
 from dmc_train import distributed
-from dmc_train.errors import CheckpointError, ConfigError
+from dmc_train.conversion import check_output
+from dmc_train.errors import CheckpointError
 from dmc_train.training.checkpointing import find_checkpoint, read_meta, save_checkpoint, save_weights
 from dmc_train.training.model_loading import config_from_checkpoint
 
@@ -69,10 +70,7 @@ def reshard(src: str, out: str, tensor: int, pipeline: int, virtual_pipeline: Op
     ckpt = os.path.abspath(find_checkpoint(src))
     meta = read_meta(ckpt)
     out = os.path.abspath(out)
-    if out == ckpt or ckpt.startswith(out + os.sep):
-        raise ConfigError(f"--output {out} contains the input checkpoint; choose a new directory")
-    if os.path.exists(out) and not overwrite:
-        raise ConfigError(f"--output {out} exists; choose another directory or pass --overwrite")
+    check_output(out, overwrite, ckpt)
     cfg = target_config(meta, out, ckpt, tensor, pipeline, virtual_pipeline, distributed_optimizer)
     if not weights_only:
         check_reshardable(ckpt, meta, cfg)

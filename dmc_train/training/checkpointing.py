@@ -246,7 +246,13 @@ def _publish(cfg: Any, tmp: str, final: str, meta: dict) -> None:
     OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
     with open(os.path.join(tmp, META), "w") as f:
         json.dump(meta, f, indent=1)
-    if os.path.exists(final):  # re-saving the same step: move the old one out of the way first
+    replace_dir(tmp, final)
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Rename the complete directory ``tmp`` to ``final``; an existing ``final`` (a re-saved step, an
+    overwritten output) is moved aside first and removed only once the new one is in place."""
+    if os.path.exists(final):
         shutil.rmtree(final + ".old", ignore_errors=True)
         os.rename(final, final + ".old")
     os.rename(tmp, final)

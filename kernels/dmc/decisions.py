@@ -26,7 +26,13 @@ def omega(query_channel: torch.Tensor, num_groups: int, init_offset: float) -> t
 
     ``query_channel [..., num_groups * G]`` -> ``[..., num_groups]``.
     """
-    return torch.sigmoid(group_mean(query_channel, num_groups) + init_offset) + OMEGA_EPS
+    return importance(group_mean(query_channel, num_groups), init_offset)
+
+
+def importance(group_query_channel: torch.Tensor, init_offset: float) -> torch.Tensor:
+    """``sigmoid(x + c0) + eps`` of the group-averaged query channel (DMC-HardC averages it further
+    over the layer's heads first)."""
+    return torch.sigmoid(group_query_channel + init_offset) + OMEGA_EPS
 
 
 def group_mean(query_channel: torch.Tensor, num_groups: int) -> torch.Tensor:

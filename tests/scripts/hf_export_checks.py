@@ -131,7 +131,8 @@ def round_trip(work, name, tie, tokenizer=None):
 def failed_verification(run_dir, work):
     """export() with a loader that cannot load / a model whose weights were altered: one-line
     CheckpointError, and neither the output nor its temporary directory left."""
-    from dmc_train.conversion.hf_export import export, load_llama
+    from dmc_train.conversion import load_llama
+    from dmc_train.conversion.hf_export import export
     from dmc_train.errors import CheckpointError
     from dmc_train.training.model_loading import load_model
 

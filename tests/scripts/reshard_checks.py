@@ -9,6 +9,7 @@ change refused, then written with weights_only.
 """
 
 import json
+import os
 import sys
 
 COMMON = ["+recipe=tiny_pretrain", "train.max_steps=6", "train.eval_interval=0", "logging.progress=false",
@@ -65,7 +66,7 @@ def main(out_path: str, work: str) -> None:
         res["distopt_refused"] = None
     except CheckpointError as e:
         res["distopt_refused"] = str(e)
-    res["distopt_left_output"] = __import__("os").path.exists(f"{work}/D_tp2")
+    res["distopt_left_output"] = os.path.exists(f"{work}/D_tp2")
     written = reshard(f"{work}/D", f"{work}/D_tp2", tensor=2, pipeline=1, weights_only=True)
     got, meta = weights(written)
     res["weights_only"] = {"weights_equal": bitwise_equal(weights(f"{work}/D")[0], got),

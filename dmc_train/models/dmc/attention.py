@@ -115,7 +115,7 @@ class DMCSelfAttention(SelfAttention):
         q_dec = decisions.group_mean(query[..., c], alpha_logit.shape[-1])  # [s, b, g]
         if st.variant == "hardc":  # one decision and one importance per layer, shared by all heads
             alpha_logit, q_dec = _mean_over_heads(alpha_logit), _mean_over_heads(q_dec)
-        omega = torch.sigmoid(q_dec + st.init_offset) + decisions.OMEGA_EPS
+        omega = decisions.importance(q_dec, st.init_offset)
         alpha = self._alpha(alpha_logit, shared_noise=st.variant == "hardc")
         alpha = decisions.first_token_appends(alpha, seq_dim=0).permute(1, 2, 0)  # [b, g, s]
         query, key = query * keep, key * keep
