@@ -31,6 +31,14 @@ class SubmitError(UserError, ValueError):
     """A bad cluster-submission option or config."""
 
 
+class InferenceError(UserError, ValueError):
+    """A generation request or an inference-engine setting that cannot work."""
+
+
+class OutOfPages(InferenceError):
+    """The KV page pool has fewer free pages than a request needs (raised before anything is written)."""
+
+
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite steps; the last good state was checkpointed (exit code 3)."""
 

@@ -98,3 +98,51 @@ class FixedPoolingConfig(DMCConfig):
         if cfg.method.target_cr != int(cfg.method.target_cr):
             raise ConfigError(f"fixed_pooling averages every method.target_cr tokens: it must be an integer, "
                               f"got {cfg.method.target_cr}")
+
+
+@dataclass(frozen=True)
+class DMCSettings:
+    """What inference needs of a trained DMC (or Fixed Memory Pooling) model, from its method config.
+
+    ``channel``: index of the decision channel within a head (None for fixed pooling, which uses every
+    channel); ``pool``: fixed pooling's tokens per slot (None for learned decisions); ``shared``:
+    DMC-HardC (one decision and importance per layer).
+    """
+
+    channel: int | None
+    init_offset: float = 5.0
+    accumulation: str = "exact"
+    window: int = 12
+    shared: bool = False
+    pool: int | None = None
+
+
+def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSettings:
+    """:class:`DMCSettings` of a ``method`` config (OmegaConf node, dataclass or ``meta.json`` dict).
+
+    Raises a one-line ConfigError for a method that does not compress (``none``) and, given the
+    checkpoint's ``step``, for a DMC checkpoint still in the zero-out stage (attention is vanilla there).
+    """
+    def field(name: str, default: Any = None) -> Any:
+        return method.get(name, default) if hasattr(method, "get") else getattr(method, name, default)
+
+    name = field("name")
+    if name not in ("dmc", "fixed_pooling"):
+        raise ConfigError(f"method.name={name!r}: the checkpoint was not trained with DMC (method=dmc) or "
+                          f"fixed pooling, so it has no DMC decisions")
+    channel = field("decision_channel", "last")
+    if channel not in DECISION_CHANNELS:
+        raise ConfigError(f"method.decision_channel={channel!r}; expected one of {', '.join(DECISION_CHANNELS)}")
+    zero_out = int(field("zero_out_steps", 0) or 0)
+    if name == "dmc" and step is not None and zero_out and step <= zero_out:  # rows are zeroed as step zero_out starts
+        raise ConfigError(f"the checkpoint (step {step}) is still in DMC's zero-out stage "
+                          f"(method.zero_out_steps={zero_out}), where attention is vanilla; use a later checkpoint")
+    pooling = name == "fixed_pooling"
+    return DMCSettings(
+        channel=None if pooling else (head_dim - 1 if channel == "last" else 0),
+        init_offset=float(field("init_offset", 5.0)),
+        accumulation=str(field("accumulation", "exact")),
+        window=int(field("window", 12)),
+        shared=field("variant", "dmc") == "hardc",
+        pool=int(field("target_cr")) if pooling else None,
+    )

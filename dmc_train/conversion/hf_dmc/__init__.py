@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dmc_train.errors import ConfigError
+from dmc_train.methods.configs import dmc_settings
 
 MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_dmc_llama.py")
 MODULE = "modeling_dmc_llama"
@@ -52,32 +53,20 @@ last slot (a weighted average), decided from channel {channel} of the query/key 
 
 def dmc_settings_from_method(method: Any, head_dim: int, step: int | None = None) -> dict[str, Any]:
     """The ``dmc_*`` config fields for the project's ``method`` config (``method=dmc``): an OmegaConf
-    node, a dataclass or a plain dict (``meta.json``'s ``config["method"]``).
-
-    ``decision_channel`` last/first -> ``head_dim - 1`` / 0; ``variant=hardc`` -> shared decisions.
-    Other methods (Fixed Memory Pooling, ...) and, given the checkpoint's ``step``, a checkpoint still
-    in the zero-out stage (vanilla attention) are refused with a one-line ConfigError.
+    node, a dataclass or a plain dict (``meta.json``'s ``config["method"]``); see
+    :func:`dmc_train.methods.configs.dmc_settings`. Fixed Memory Pooling is refused (its decisions are
+    not in the weights) with a one-line ConfigError.
     """
-    def field(name: str, default: Any = None) -> Any:
-        return method.get(name, default) if isinstance(method, Mapping) else getattr(method, name, default)
-
-    if field("name") != "dmc":
-        raise ConfigError(f"method.name={field('name')!r}: only DMC models (method=dmc) can be exported with "
-                          f"DMC attention")
-    channels = {"last": head_dim - 1, "first": 0}
-    channel = field("decision_channel", "last")
-    if channel not in channels:
-        raise ConfigError(f"method.decision_channel={channel!r}; expected one of last, first")
-    zero_out = int(field("zero_out_steps", 0) or 0)
-    if step is not None and zero_out and step <= zero_out:  # rows are zeroed as step zero_out starts
-        raise ConfigError(f"the checkpoint (step {step}) is still in DMC's zero-out stage "
-                          f"(method.zero_out_steps={zero_out}), where attention is vanilla; export a later checkpoint")
+    settings = dmc_settings(method, head_dim, step)
+    if settings.pool is not None:
+        raise ConfigError("method.name='fixed_pooling': only DMC models (method=dmc) can be exported with "
+                          "DMC attention")
     return {
-        "dmc_decision_channel": channels[channel],
-        "dmc_init_offset": float(field("init_offset", 5.0)),
-        "dmc_accumulation": str(field("accumulation", "exact")),
-        "dmc_window": int(field("window", 12)),
-        "dmc_shared_decisions": field("variant", "dmc") == "hardc",
+        "dmc_decision_channel": settings.channel,
+        "dmc_init_offset": settings.init_offset,
+        "dmc_accumulation": settings.accumulation,
+        "dmc_window": settings.window,
+        "dmc_shared_decisions": settings.shared,
     }
 
 

@@ -1,0 +1,113 @@
+"""The interface every KV cache of the engine implements, and what the model hands it per layer.
+
+A cache serves one model and many sequences. It owns the attention over what it keeps, because
+what a query may see is the cache's business (DMC's merged slots, a policy's kept entries, LESS's
+low-rank state). The model calls, per layer:
+
+    out = cache.prefill(layer, seq_id, q, k, v, info)     # one new sequence, its whole prompt at once
+    out = cache.decode(layer, seq_ids, q, k, v, info)     # one new token for each of B sequences
+
+Layouts: prefill ``q [1, H, n, d]``, ``k [1, H_kv, n, d]``, ``v [1, H_kv, n, d_v]`` -> ``[1, H, n, d_v]``;
+decode ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``. q and k have RoPE
+applied. GQA: query head j reads KV head ``j // G``, ``G = H / H_kv``.
+
+Storage: each (sequence, layer, KV head) is one row of the shared :class:`~dmc_train.inference.pool.PagePool`
+(``self.rows[seq_id]`` is ``[layers, H_kv]``); a cache may also keep a constant-size state per row
+(DMC's open slot, a policy's scores, LESS's ``H, z``) and reports it in :meth:`state_bytes`.
+
+Subclasses for the later issues:
+- fixed-budget eviction policies grow each row to the budget once, then overwrite the evicted entry
+  in place (``pool.write`` at the victim's position) and keep per-row scores in their own state;
+- LESS adds a constant-size per-row state fed with the evicted (k, v) pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dmc_train.errors import InferenceError
+from dmc_train.inference.pool import PagePool
+
+
+@dataclass
+class TokenInfo:
+    """Per-token facts the model computed beside q, k, v.
+
+    ``positions``: token positions (prefill ``[n]``, decode ``[B]``). ``alpha`` / ``omega``: DMC's hard
+    decisions (1 = merge into the open slot) and importances, prefill ``[1, H_kv, n]``, decode
+    ``[B, H_kv]``, fp32; None for models without DMC.
+    """
+
+    positions: torch.Tensor
+    alpha: Optional[torch.Tensor] = None
+    omega: Optional[torch.Tensor] = None
+
+
+class KVCache:
+    """Base class: rows per sequence, release, byte accounting, paged decode attention."""
+
+    name = "base"
+    needs_decisions = False  # True: the model must pass DMC decisions in TokenInfo
+
+    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float):
+        self.pool, self.num_layers, self.num_kv_heads, self.scale = pool, num_layers, num_kv_heads, scale
+        self.rows: dict[int, torch.Tensor] = {}
+
+    # -- sequences --------------------------------------------------------------------------------
+    def add(self, seq_id: int) -> None:
+        """Give a new sequence its rows (empty until prefill)."""
+        if seq_id in self.rows:
+            raise InferenceError(f"sequence {seq_id} is already in the cache")
+        self.rows[seq_id] = self.pool.new_rows(self.num_layers * self.num_kv_heads).view(
+            self.num_layers, self.num_kv_heads)
+
+    def release(self, seq_id: int) -> None:
+        """Return a sequence's pages and rows to the pool (when its request ends or fails)."""
+        rows = self.rows.pop(seq_id, None)
+        if rows is not None:
+            self.pool.free_rows(rows.flatten())
+
+    # -- the model's calls ------------------------------------------------------------------------
+    def prefill(self, layer: int, seq_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                info: TokenInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               info: TokenInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_pages_needed(self, seq_id: int) -> int:
+        """Most pages one decode step of ``seq_id`` can take (the engine reserves them up front)."""
+        rows = self.rows[seq_id].flatten()
+        return self.pool.pages_needed(rows, self.pool.seq_lens[rows].long() + 1)
+
+    # -- shared helpers ---------------------------------------------------------------------------
+    def layer_rows(self, layer: int, seq_ids: list[int]) -> torch.Tensor:
+        """Rows ``[B, H_kv]`` of ``layer`` for ``seq_ids``."""
+        return torch.stack([self.rows[s][layer] for s in seq_ids])
+
+    def attend_paged(self, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Decode attention of ``q [B, H, d]`` over ``rows [B, H_kv]`` -> ``[B, H, d_v]``."""
+        b, h, d = q.shape
+        out = self.pool.attend(rows.flatten(), q.view(b * self.num_kv_heads, h // self.num_kv_heads, d), self.scale)
+        return out.view(b, h, -1)
+
+    # -- what is held -----------------------------------------------------------------------------
+    def entries(self, seq_id: int) -> torch.Tensor:
+        """Entries held per (layer, KV head) of ``seq_id``: ``[layers, H_kv]`` (int64)."""
+        return self.pool.seq_lens[self.rows[seq_id]].long()
+
+    def state_bytes(self, seq_id: int) -> int:
+        """Bytes of per-row state beside the pages (0 for caches without one)."""
+        return 0
+
+    def bytes_held(self, seq_id: int) -> dict[str, int]:
+        """``pages`` (allocated K/V pages), ``entries`` (the part of them in use), ``state`` and ``total``."""
+        rows = self.rows[seq_id].flatten()
+        pages = self.pool.pages_of(rows) * self.pool.page_bytes
+        used = int(self.pool.seq_lens[rows].long().sum()) * self.pool.page_bytes // self.pool.page_size
+        state = self.state_bytes(seq_id)
+        return {"pages": pages, "entries": used, "state": state, "total": pages + state}

@@ -1,0 +1,113 @@
+"""The DMC cache (Algorithm 1): per (sequence, layer, KV head) the closed slots plus the open slot.
+
+Every row of the page pool holds that head's slots: the closed ones, then the open one (the
+normalised running average ``k~ = u / z`` of the open segment, rewritten on every merge). Beside
+the pages each row keeps the open slot's exact running state in fp32:
+
+- ``exact`` accumulation: the numerators ``u_k = sum w_i k_i``, ``u_v`` and ``z = sum w_i`` of the
+  open segment (ring of size 1, merges add);
+- ``window`` accumulation (as the authors' inference): the open segment's last ``w`` omega-weighted
+  tokens in a ring of size ``w`` (merges overwrite the oldest), so a segment longer than the window
+  drops its oldest token from the sums — inference then equals windowed training.
+
+Decode (one token per sequence): hard decision ``alpha = 1`` merges into the open slot, ``0`` closes
+it and appends a new one. **Parallel prefill**: the decisions and the accumulation for the whole
+prompt in one pass (:func:`teacher_forced_dmc`, the chunked scan of ``kernels.dmc``), then only the
+closed slots and the open slot's state are written — never token by token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dmc_train.inference.caches.base import KVCache, TokenInfo
+from dmc_train.inference.pool import PagePool
+from dmc_train.methods.configs import DMCSettings
+from kernels.dmc import dmc_attention, partial_accumulation
+
+
+def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor,
+                       omega: torch.Tensor, settings: DMCSettings, scale: float):
+    """DMC attention over a whole sequence with hard decisions (Fig. 3 = Algorithm 1's visibility).
+
+    ``q [b, H, n, d]``, ``k/v [b, H_kv, n, d]``, ``alpha/omega [b, H_kv, n]`` (alpha[..., 0] = 0).
+    Returns ``(out [b, H, n, d_v], k~ [b, H_kv, n, d], v~)``: the outputs and every position's state.
+    """
+    k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=settings.accumulation, window=settings.window)
+    out = dmc_attention(q, k_t, v_t, alpha, scale=scale, free_channel=settings.channel)
+    return out, k_t, v_t
+
+
+class DMCCache(KVCache):
+    """Algorithm 1 over the page pool (module docstring)."""
+
+    name = "dmc"
+    needs_decisions = True
+
+    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
+        super().__init__(pool, num_layers, num_kv_heads, scale)
+        self.settings = settings
+        self.ring = settings.window if settings.accumulation == "window" else 1
+        rows, d, dv = pool.block_table.shape[0], pool.k_pages.shape[-1], pool.v_pages.shape[-1]
+        self.open_k = torch.zeros(rows, self.ring, d)  # omega-weighted keys of the open segment (exact: their sum)
+        self.open_v = torch.zeros(rows, self.ring, dv)
+        self.open_w = torch.zeros(rows, self.ring)  # their omegas (exact: z)
+        self.open_tokens = torch.zeros(rows, dtype=torch.long)  # tokens in the open segment
+
+    def state_bytes(self, seq_id: int) -> int:
+        per_row = sum(t[0].nbytes for t in (self.open_k, self.open_v, self.open_w, self.open_tokens))
+        return per_row * self.rows[seq_id].numel()
+
+    def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
+        out, k_t, v_t = teacher_forced_dmc(q, k, v, info.alpha, info.omega, self.settings, self.scale)
+        rows = self.rows[seq_id][layer]
+        alpha, omega = info.alpha[0], info.omega[0]  # [H_kv, n]
+        closes = torch.ones_like(alpha, dtype=torch.bool)  # state j is a slot iff token j + 1 appends (or j is last)
+        closes[:, :-1] = alpha[:, 1:] == 0
+        self.pool.grow(rows, closes.sum(-1))
+        h, j = closes.nonzero(as_tuple=True)
+        slot = closes.long().cumsum(-1)[h, j] - 1
+        self.pool.write(rows[h], slot, k_t[0, h, j], v_t[0, h, j])
+        self._start_open_state(rows, k[0], v[0], alpha, omega)
+        return out
+
+    def _start_open_state(self, rows, k, v, alpha, omega) -> None:
+        """The open slot's state after a prompt: its segment's tokens (the last ``w`` of them in window mode).
+        ``k [H_kv, n, d]``, ``alpha / omega [H_kv, n]``."""
+        segment = (1 - alpha).cumsum(-1)
+        last = segment == segment[:, -1:]
+        length = last.sum(-1)
+        rank = last.long().cumsum(-1) - 1  # position within the open segment
+        keep = last if self.ring == 1 else last & (rank >= (length - self.ring)[:, None])  # exact: sum them all
+        h, j = keep.nonzero(as_tuple=True)
+        slot = rank[h, j] % self.ring
+        w = omega.float()[h, j]
+        for name in ("open_k", "open_v", "open_w"):
+            getattr(self, name)[rows] = 0
+        self.open_k.index_put_((rows[h], slot), w[:, None] * k[h, j].float(), accumulate=True)
+        self.open_v.index_put_((rows[h], slot), w[:, None] * v[h, j].float(), accumulate=True)
+        self.open_w.index_put_((rows[h], slot), w, accumulate=True)
+        self.open_tokens[rows] = length
+
+    def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
+        rows = self.layer_rows(layer, seq_ids).flatten()
+        k, v = k.reshape(len(rows), -1).float(), v.reshape(len(rows), -1).float()
+        omega = info.omega.reshape(-1).float()
+        append = info.alpha.reshape(-1) == 0
+        fresh = rows[append]
+        self.open_k[fresh], self.open_v[fresh], self.open_w[fresh], self.open_tokens[fresh] = 0, 0, 0, 0
+        slot = self.open_tokens[rows] % self.ring
+        if self.ring == 1:  # exact: merges add to the running sums
+            self.open_k[rows, 0] += omega[:, None] * k
+            self.open_v[rows, 0] += omega[:, None] * v
+            self.open_w[rows, 0] += omega
+        else:  # window: the newest token replaces the oldest of the ring
+            self.open_k[rows, slot] = omega[:, None] * k
+            self.open_v[rows, slot] = omega[:, None] * v
+            self.open_w[rows, slot] = omega
+        self.open_tokens[rows] += 1
+        z = self.open_w[rows].sum(-1, keepdim=True)
+        lens = self.pool.seq_lens[rows].long() + append.long()
+        self.pool.grow(rows, lens)
+        self.pool.write(rows, lens - 1, self.open_k[rows].sum(1) / z, self.open_v[rows].sum(1) / z)
+        return self.attend_paged(rows.view(len(seq_ids), -1), q)

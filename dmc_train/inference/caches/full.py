@@ -1,0 +1,34 @@
+"""The full (vanilla) KV cache: every token's key and value, one entry per token per (layer, KV head)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dmc_train.inference.caches.base import KVCache, TokenInfo
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention ``q [b, H, n, d]``, ``k/v [b, H_kv, n, d]`` -> ``[b, H, n, d_v]`` (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class FullCache(KVCache):
+    """Keeps everything; attention as in training (causal at prefill, over all entries at decode)."""
+
+    name = "full"
+
+    def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
+        n = k.shape[2]
+        rows = self.rows[seq_id][layer]
+        self.pool.grow(rows, torch.full_like(rows, n))
+        pos = torch.arange(n).repeat(self.num_kv_heads)
+        self.pool.write(rows.repeat_interleave(n), pos, k[0].reshape(-1, k.shape[-1]), v[0].reshape(-1, v.shape[-1]))
+        return causal_attention(q, k, v, self.scale)
+
+    def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
+        rows = self.layer_rows(layer, seq_ids).flatten()
+        lens = self.pool.seq_lens[rows].long()
+        self.pool.grow(rows, lens + 1)
+        self.pool.write(rows, lens, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+        return self.attend_paged(rows.view(len(seq_ids), -1), q)

@@ -1,0 +1,222 @@
+"""The Llama forward for inference: plain tensors in Hugging Face names, a KV cache per call.
+
+Separate from the training model (megatron-core ``GPTModel``, ``[s, b, h]`` layouts, tensor parallel
+layers): here one process holds the whole model (TP=1) and every attention call goes to a
+:class:`~dmc_train.inference.caches.KVCache`. ``tests/inference`` proves that its logits equal the
+training model's on the same checkpoint (vanilla, and DMC with hard decisions).
+
+    model = LlamaForInference.from_checkpoint("runs/dmc_tiny_cr2.0")
+    logits = model.forward(tokens)                           # [b, n] -> [b, n, V], no cache (teacher-forced)
+    logits = model.prefill(cache, seq_id, prompt)            # [n] -> [n, V], writes the cache
+    logits = model.decode(cache, seq_ids, tokens, positions) # [B], [B] -> [B, V], one token per sequence
+
+Per layer: RMSNorm -> fused q/k/v projection -> (DMC: decisions from the pre-RoPE decision channel,
+which is then zeroed) -> RoPE (rotate-half, as megatron-core and HF) -> the cache's attention ->
+output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: hidden ``[b, n, hidden]``,
+heads ``[b, H, n, d]``; decisions ``[b, H_kv, n]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from dmc_train.config import kv_groups
+from dmc_train.errors import InferenceError
+from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
+from dmc_train.methods.configs import DMCSettings
+from kernels.dmc import decisions
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    max_positions: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_config(cls, m: Any) -> "ModelShape":
+        """From the project's ``cfg.model`` node."""
+        return cls(m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, kv_groups(m),
+                   m.vocab_size, m.norm_epsilon, float(m.rotary_base), m.max_position_embeddings)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As training's RMSNorm: in fp32, then back to ``x``'s dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [b, h, n, d]`` at ``positions [b, n]`` (angles in fp32, as megatron-core)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = positions.float()[..., None] * inv_freq  # [b, n, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaForInference:
+    """A Llama (optionally DMC) model for generation; weights in HF ``LlamaForCausalLM`` names."""
+
+    def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dmc: Optional[DMCSettings] = None,
+                 dtype: torch.dtype = torch.float32):
+        self.shape, self.dmc, self.dtype = shape, dmc, dtype
+        s = shape
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+
+        def w(name):
+            if name not in weights:
+                raise InferenceError(f"weight {name} is missing from the model's weights")
+            return weights[name].to(dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                "o": w(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "down": w(p + "mlp.down_proj.weight"),
+                "norm_in": w(p + "input_layernorm.weight"),
+                "norm_mlp": w(p + "post_attention_layernorm.weight"),
+            })
+        self.keep = None
+        if dmc is not None and dmc.channel is not None:
+            self.keep = torch.ones(s.head_dim, dtype=dtype)
+            self.keep[dmc.channel] = 0
+
+    # -- loading ----------------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None) -> tuple["LlamaForInference", Any]:
+        """A checkpoint of this project (any saved TP/PP layout) -> ``(model, loaded)``; ``loaded`` is the
+        :class:`~dmc_train.training.model_loading.LoadedModel` (config, meta). DMC and Fixed Memory Pooling
+        checkpoints get their :class:`DMCSettings`."""
+        from dmc_train.methods.configs import dmc_settings
+        from dmc_train.models.llama_weights import megatron_to_hf
+        from dmc_train.training.model_loading import load_model
+
+        loaded = load_model(checkpoint)
+        shape = ModelShape.from_config(loaded.cfg.model)
+        state = {k: v for k, v in loaded.model[0].state_dict().items() if isinstance(v, torch.Tensor)}
+        weights = megatron_to_hf(state, shape.num_heads, shape.num_kv_heads)
+        dmc = None
+        if loaded.cfg.method.name in ("dmc", "fixed_pooling"):
+            dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))
+        torch_dtype = DTYPES[dtype or loaded.cfg.train.precision]
+        return cls(shape, weights, dmc, torch_dtype), loaded
+
+    # -- decisions --------------------------------------------------------------------------------
+    def _decisions(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """Hard ``alpha`` and ``omega [b, H_kv, n]`` from pre-RoPE ``q [b, H, n, d]``, ``k [b, H_kv, n, d]``
+        (the same functions as training's evaluation); the first token of a sequence appends."""
+        st, hk = self.dmc, k.shape[1]
+        pos = positions[:, None, :].expand(-1, hk, -1)
+        if st.pool is not None:  # fixed pooling: every pool-th token appends, equal weights
+            alpha = (pos % st.pool != 0).float()
+            return alpha, torch.ones_like(alpha)
+        logit = decisions.alpha_logit(k[..., st.channel], st.init_offset)  # [b, H_kv, n]
+        q_dec = decisions.group_mean(q[..., st.channel].transpose(1, 2), hk).transpose(1, 2)
+        if st.shared:
+            logit, q_dec = (t.mean(1, keepdim=True).expand_as(t) for t in (logit, q_dec))
+        alpha = torch.where(pos == 0, 0.0, decisions.hard_alpha(logit))
+        return alpha, decisions.importance(q_dec, st.init_offset)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor,
+             attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, TokenInfo], torch.Tensor]) -> torch.Tensor:
+        """Logits ``[b, n, V]`` of ``tokens [b, n]`` at ``positions [b, n]``; ``attend(layer, q, k, v, info)``
+        returns ``[b, H, n, d_v]``."""
+        s = self.shape
+        b, n = tokens.shape
+        d = s.head_dim
+        x = self.embed[tokens]
+        for i, p in enumerate(self.layers):
+            h = rms_norm(x, p["norm_in"], s.norm_eps)
+            q, k, v = (h @ p["qkv"].T).split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
+            q, k, v = (t.view(b, n, -1, d).transpose(1, 2) for t in (q, k, v))
+            info = TokenInfo(positions)
+            if self.dmc is not None:
+                info.alpha, info.omega = self._decisions(q, k, positions)
+            if self.keep is not None:  # zeroed before RoPE (as training) and in q after (channel unused)
+                q, k = q * self.keep, k * self.keep
+            q, k = rope(q, positions, s.rope_base), rope(k, positions, s.rope_base)
+            if self.keep is not None:
+                q = q * self.keep
+            out = attend(i, q, k, v, info)
+            x = x + out.transpose(1, 2).reshape(b, n, -1) @ p["o"].T
+            gate, up = (rms_norm(x, p["norm_mlp"], s.norm_eps) @ p["gate_up"].T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ p["down"].T
+        return rms_norm(x, self.final_norm, s.norm_eps) @ self.lm_head.T
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` without a cache (DMC: hard decisions)."""
+        self.check_tokens(tokens)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+
+        def attend(layer, q, k, v, info):
+            if self.dmc is None:
+                return causal_attention(q, k, v, self.scale)
+            return teacher_forced_dmc(q, k, v, info.alpha, info.omega, self.dmc, self.scale)[0]
+
+        return self._run(tokens, positions, attend)
+
+    @torch.no_grad()
+    def prefill(self, cache: KVCache, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Write the prompt ``tokens [n]`` of a new sequence into ``cache`` in one pass; logits ``[n, V]``."""
+        self.check_tokens(tokens[None])
+        self._check_cache(cache)
+        return self._run(tokens[None], torch.arange(len(tokens))[None],
+                         lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info))[0]
+
+    @torch.no_grad()
+    def decode(self, cache: KVCache, seq_ids: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per sequence: ``tokens [B]`` at ``positions [B]``; logits ``[B, V]``."""
+        self._check_cache(cache)
+
+        def attend(layer, q, k, v, info):
+            info = TokenInfo(info.positions[:, 0],
+                             *(None if t is None else t[..., 0] for t in (info.alpha, info.omega)))
+            return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
+
+        return self._run(tokens[:, None], positions[:, None], attend)[:, 0]
+
+    # -- checks -----------------------------------------------------------------------------------
+    def check_tokens(self, tokens: torch.Tensor) -> None:
+        n = tokens.shape[-1]
+        if n == 0:
+            raise InferenceError("the prompt is empty: give at least one token")
+        if n > self.shape.max_positions:
+            raise InferenceError(f"the prompt has {n} tokens, more than the model's {self.shape.max_positions} "
+                                 f"positions (model.max_position_embeddings); shorten it")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.shape.vocab_size:
+            raise InferenceError(f"token ids must be in [0, {self.shape.vocab_size}); got "
+                                 f"[{int(tokens.min())}, {int(tokens.max())}]")
+
+    def _check_cache(self, cache: KVCache) -> None:
+        if cache.needs_decisions and self.dmc is None:
+            raise InferenceError(f"the {cache.name!r} cache needs a DMC model, and this checkpoint has no DMC "
+                                 f"decisions (its method is not dmc or fixed_pooling); use cache='full'")

@@ -1,0 +1,145 @@
+"""The paged KV pool: fixed-size pages shared by every layer, one block-table row per (sequence, layer, KV head).
+
+Public paged-attention layouts (vLLM, FlashInfer, flash-attn's ``flash_attn_with_kvcache``) page per
+*sequence*: one page holds every KV head of a token. DMC and the eviction policies keep a different
+number of entries per (sequence, layer, KV head), so here every such triple is its own **row**:
+
+    k_pages, v_pages   [num_pages, page_size, head_dim]   one pool for all layers (one free list, one budget)
+    block_table        [max_rows, max_pages_per_row]      entry i of row r is at page block_table[r, i // page_size]
+    seq_lens           [max_rows]                         entries held by row r
+
+Pages are taken from the free list when a row grows past a page boundary and return to it when the
+request ends (:meth:`PagePool.free_rows`). :meth:`nbytes` reports what is allocated now and at peak.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dmc_train.errors import InferenceError, OutOfPages
+from kernels.paged import paged_attention
+
+MIN_PAGE_SIZE = 16
+
+
+def check_page_size(page_size: int) -> None:
+    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
+        raise InferenceError(f"page_size={page_size} must be a power of two >= {MIN_PAGE_SIZE} (e.g. 16, 32, 256)")
+
+
+class PagePool:
+    """K/V pages, the free list, and the block table + lengths of every row.
+
+    Args:
+        num_pages: pages in the pool (the KV budget); ``page_bytes`` each.
+        page_size: entries per page (power of two >= 16).
+        head_dim, value_dim: channels of keys and values.
+        max_rows: rows the block table can hold (max sequences x layers x KV heads).
+        max_entries: longest row (the model's maximum positions).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, head_dim: int, max_rows: int, max_entries: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", value_dim: int | None = None):
+        check_page_size(page_size)
+        value_dim = value_dim or head_dim
+        self.page_size, self.dtype = page_size, dtype
+        self.k_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(num_pages, page_size, value_dim, dtype=dtype, device=device)
+        self.max_pages_per_row = -(-max_entries // page_size)
+        self.block_table = torch.full((max_rows, self.max_pages_per_row), -1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() takes page 0 first
+        self.free_row_ids: list[int] = list(range(max_rows - 1, -1, -1))
+        self.peak_pages = 0
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.k_pages[0].nbytes + self.v_pages[0].nbytes
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of K/V pages allocated now and at peak (the pool's own size is ``total``)."""
+        return {"allocated": self.used_pages * self.page_bytes, "peak": self.peak_pages * self.page_bytes,
+                "total": self.num_pages * self.page_bytes}
+
+    def pages_of(self, rows: torch.Tensor) -> int:
+        """Pages held by ``rows``."""
+        return int(((self.seq_lens[rows].long() + self.page_size - 1) // self.page_size).sum())
+
+    # -- rows -------------------------------------------------------------------------------------
+    def new_rows(self, count: int) -> torch.Tensor:
+        """``count`` empty rows ``[count]`` (int64)."""
+        if count > len(self.free_row_ids):
+            raise OutOfPages(f"the block table has {len(self.free_row_ids)} free rows, {count} needed; "
+                             f"raise the engine's max_batch")
+        return torch.tensor([self.free_row_ids.pop() for _ in range(count)], dtype=torch.long)
+
+    def free_rows(self, rows: torch.Tensor) -> None:
+        """Return ``rows`` and their pages to the free lists."""
+        for r in rows.tolist():
+            used = -(-int(self.seq_lens[r]) // self.page_size)
+            self.free_pages.extend(self.block_table[r, :used].tolist())
+            self.block_table[r] = -1
+            self.seq_lens[r] = 0
+            self.free_row_ids.append(r)
+
+    # -- growing rows -----------------------------------------------------------------------------
+    def pages_needed(self, rows: torch.Tensor, new_lens: torch.Tensor) -> int:
+        """Pages that :meth:`grow` would take to give ``rows`` lengths ``new_lens``."""
+        have = (self.seq_lens[rows].long() + self.page_size - 1) // self.page_size
+        need = (new_lens.long() + self.page_size - 1) // self.page_size
+        return int((need - have).clamp(min=0).sum())
+
+    def grow(self, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
+        """Set the lengths of ``rows [n]`` to ``new_lens [n]`` (>= current), taking pages as needed.
+
+        Raises :class:`OutOfPages` (and changes nothing) when the free list is too short.
+        """
+        needed = self.pages_needed(rows, new_lens)
+        if needed > len(self.free_pages):
+            raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
+        longest = int(new_lens.max()) if new_lens.numel() else 0
+        if longest > self.max_pages_per_row * self.page_size:
+            raise InferenceError(f"a row would hold {longest} entries, more than the model's "
+                                 f"{self.max_pages_per_row * self.page_size} positions")
+        if needed:
+            have = ((self.seq_lens[rows].long() + self.page_size - 1) // self.page_size).tolist()
+            need = ((new_lens.long() + self.page_size - 1) // self.page_size).tolist()
+            for r, a, b in zip(rows.tolist(), have, need):
+                if b > a:
+                    pages = [self.free_pages.pop() for _ in range(b - a)]
+                    self.block_table[r, a:b] = torch.tensor(pages, dtype=torch.int32)
+            self.peak_pages = max(self.peak_pages, self.used_pages)
+        self.seq_lens[rows] = new_lens.to(torch.int32)
+
+    # -- reading and writing entries --------------------------------------------------------------
+    def locate(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page, offset)`` of entry ``positions`` of ``rows`` (same shapes, broadcastable)."""
+        positions = positions.long()
+        page = self.block_table[rows, positions // self.page_size].long()
+        return page, positions % self.page_size
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k [n, d]``, ``v [n, d_v]`` at entry ``positions [n]`` of ``rows [n]`` (already allocated)."""
+        page, offset = self.locate(rows, positions)
+        self.k_pages[page, offset] = k.to(self.dtype)
+        self.v_pages[page, offset] = v.to(self.dtype)
+
+    def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All entries of one row: ``(k [len, d], v [len, d_v])`` (tests and inspection)."""
+        n = int(self.seq_lens[row])
+        page, offset = self.locate(torch.full((n,), row), torch.arange(n))
+        return self.k_pages[page, offset], self.v_pages[page, offset]
+
+    def attend(self, rows: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention of ``q [n, G, d]`` (one token, G query heads per row) over ``rows [n]``
+        -> ``[n, G, d_v]`` (cost grows with the entries the rows hold, not with a padded maximum)."""
+        return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale)

@@ -1,0 +1,71 @@
+"""Input validation of the paged attention op: fail early, name the argument and what is allowed."""
+
+from __future__ import annotations
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def work_dtype(t: torch.Tensor) -> torch.dtype:
+    """Internal compute precision: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def check_tensor(name: str, t, layout: str, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor with layout {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have layout {layout} ({ndim} dims), got shape {tuple(t.shape)}")
+
+
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """Shapes, dtypes and devices of :func:`kernels.paged.paged_attention`'s inputs, then the values of
+    ``seq_lens`` and of the ``block_table`` entries the rows use (read on the host)."""
+    check_tensor("q", q, "[R, G, d]", 3)
+    check_tensor("k_pages", k_pages, "[num_pages, page_size, d]", 3)
+    check_tensor("v_pages", v_pages, "[num_pages, page_size, d_v]", 3)
+    check_tensor("block_table", block_table, "[R, max_pages]", 2)
+    check_tensor("seq_lens", seq_lens, "[R]", 1)
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating point tensor, got {t.dtype}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.dtype not in INDEX_DTYPES:
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    R = q.shape[0]
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.shape[0] != R:
+            raise ValueError(f"{name} has {t.shape[0]} rows, expected R = {R} (q.shape[0])")
+    if k_pages.shape[2] != q.shape[2]:
+        raise ValueError(f"k_pages head size {k_pages.shape[2]} must equal q's head size d = {q.shape[2]}")
+    if k_pages.shape[:2] != v_pages.shape[:2]:
+        raise ValueError(
+            f"k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} must agree in [num_pages, page_size]"
+        )
+    if R == 0:
+        return
+    num_pages, page_size = k_pages.shape[:2]
+    cap = block_table.shape[1] * page_size
+    bad = (seq_lens < 1) | (seq_lens > cap)
+    if bool(bad.any()):
+        r = int(bad.int().argmax())
+        raise ValueError(f"seq_lens must be in [1, max_pages * page_size] = [1, {cap}]; row {r} has {int(seq_lens[r])}")
+    # Out-of-range page indices would silently wrap (negative) or fail deep inside the gather.
+    used = torch.arange(block_table.shape[1], device=q.device) < (seq_lens[:, None] + page_size - 1) // page_size
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        r, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table entries of used pages must be page indices in [0, num_pages) = [0, {num_pages}); "
+            f"block_table[{r}, {j}] = {int(block_table[r, j])}"
+        )
