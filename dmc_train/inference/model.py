@@ -188,14 +188,14 @@ class LlamaForInference:
     def prefill(self, cache: KVCache, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
         """Write the prompt ``tokens [n]`` of a new sequence into ``cache`` in one pass; logits ``[n, V]``."""
         self.check_tokens(tokens[None])
-        self._check_cache(cache)
+        self.check_cache_type(cache)
         return self._run(tokens[None], torch.arange(len(tokens))[None],
                          lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info))[0]
 
     @torch.no_grad()
     def decode(self, cache: KVCache, seq_ids: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence: ``tokens [B]`` at ``positions [B]``; logits ``[B, V]``."""
-        self._check_cache(cache)
+        self.check_cache_type(cache)
 
         def attend(layer, q, k, v, info):
             info = TokenInfo(info.positions[:, 0],
@@ -216,7 +216,7 @@ class LlamaForInference:
             raise InferenceError(f"token ids must be in [0, {self.shape.vocab_size}); got "
                                  f"[{int(tokens.min())}, {int(tokens.max())}]")
 
-    def _check_cache(self, cache: KVCache) -> None:
+    def check_cache_type(self, cache: type[KVCache] | KVCache) -> None:
         if cache.needs_decisions and self.dmc is None:
             raise InferenceError(f"the {cache.name!r} cache needs a DMC model, and this checkpoint has no DMC "
                                  f"decisions (its method is not dmc or fixed_pooling); use cache='full'")

@@ -1,0 +1,290 @@
+"""The generation engine: a request queue with continuous batching over one paged KV cache.
+
+    engine = Engine.from_checkpoint("runs/dmc_tiny_cr2.0", kv_bytes=64 << 20)
+    for out in engine.generate(["To be, or not", "Friends, Romans"], SamplingParams(max_new_tokens=40)):
+        print(out.text, out.compression)
+    for event in engine.stream(prompts, params):          # tokens as they are produced
+        print(event.text, end="")
+
+Each :meth:`Engine.step`:
+
+1. **admits** waiting requests (first come, first served) while the batch has room: the prompt is
+   prefilled in one pass (the cache decides what it keeps) and the first token sampled. A prompt
+   that does not fit in the free pages waits until a running request ends and frees pages; one that
+   cannot fit even in an empty pool fails with a one-line error.
+2. **decodes** one token for every running request in one batched forward. The pages a step can
+   take are reserved first; if they are not there, the most recently admitted requests fail
+   ("out of KV pages") and the others continue.
+3. **finishes** requests (stop token, eos, stop string, max new tokens, the model's maximum
+   positions) and returns their pages to the pool.
+
+A request's tokens do not depend on the others in the batch (per-request positions, caches, seeds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from dmc_train.errors import InferenceError, OutOfPages
+from dmc_train.inference.caches import CACHES, DMCCache, KVCache
+from dmc_train.inference.model import LlamaForInference
+from dmc_train.inference.pool import PagePool
+from dmc_train.inference.sampling import SamplingParams, StopChecker, make_generator, sample
+
+
+@dataclass
+class Event:
+    """One step's news about a request: a new token (``text`` is the new text) or its end."""
+
+    request_id: int
+    token: Optional[int]
+    text: str
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class Output:
+    """A finished request. ``entries [layers, H_kv]``: cache entries (DMC: slots) per head at the end;
+    ``compression``: tokens / entries overall and ``per_layer``; ``kv_bytes``: what its rows held at the end."""
+
+    request_id: int
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    finish_reason: Optional[str]
+    error: Optional[str] = None
+    entries: Optional[list[list[int]]] = None
+    compression: dict = field(default_factory=dict)
+    kv_bytes: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    generator: Optional[torch.Generator]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    output: Optional[Output] = None
+
+    @property
+    def position(self) -> int:  # position of the last sampled token, the next one to feed
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class Engine:
+    """Continuous batching over one model and one cache (module docstring).
+
+    Args:
+        model: the :class:`LlamaForInference` to run.
+        tokenizer: encodes string prompts and decodes outputs (None: prompts are token-id lists).
+        cache: ``"auto"`` (``dmc`` for DMC / fixed-pooling models, else ``full``) or a name in ``CACHES``.
+        page_size: entries per page (power of two >= 16).
+        kv_bytes: the K/V page budget in bytes (default: room for ``max_batch`` sequences of the
+            model's maximum length uncompressed).
+        max_batch: most requests running at once (rows of the block table).
+    """
+
+    def __init__(self, model: LlamaForInference, tokenizer: Any = None, cache: str = "auto", page_size: int = 16,
+                 kv_bytes: Optional[int] = None, max_batch: int = 16):
+        s = model.shape
+        name = ("dmc" if model.dmc is not None else "full") if cache == "auto" else cache
+        if name not in CACHES:
+            raise InferenceError(f"unknown cache {cache!r}; expected auto or one of {', '.join(CACHES)}")
+        model.check_cache_type(CACHES[name])
+        if max_batch < 1:
+            raise InferenceError(f"max_batch={max_batch} must be >= 1")
+        rows_per_seq = s.num_layers * s.num_kv_heads
+        pages_per_row = -(-s.max_positions // page_size)
+        probe = PagePool(1, page_size, s.head_dim, 1, page_size, dtype=model.dtype)  # validates page_size
+        num_pages = max_batch * rows_per_seq * pages_per_row if kv_bytes is None else int(kv_bytes) // probe.page_bytes
+        if num_pages < rows_per_seq:
+            raise InferenceError(f"kv_bytes={kv_bytes} holds {num_pages} pages of {probe.page_bytes} bytes, fewer "
+                                 f"than one page per KV head per layer ({rows_per_seq}); raise it to at least "
+                                 f"{rows_per_seq * probe.page_bytes}")
+        self.model, self.tokenizer = model, tokenizer
+        self.pool = PagePool(num_pages, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
+                             dtype=model.dtype)
+        kw = {"settings": model.dmc} if CACHES[name] is DMCCache else {}
+        self.cache: KVCache = CACHES[name](self.pool, s.num_layers, s.num_kv_heads, model.scale, **kw)
+        self.cache_name, self.max_batch = name, max_batch
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.finished: dict[int, Output] = {}
+        self._next_id = 0
+        self._blocked_free = -1  # free pages when the head of the queue last failed to fit
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "max_running": 0}
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
+                        **kwargs) -> "Engine":
+        """An engine for a checkpoint of this project; its tokenizer is ``tokenizer`` or the run's
+        ``data.tokenizer`` when that file exists (else prompts must be token ids)."""
+        import os
+
+        from dmc_train.data.tokenizer import load_tokenizer
+
+        model, loaded = LlamaForInference.from_checkpoint(checkpoint, dtype)
+        path = tokenizer or loaded.cfg.data.tokenizer
+        if tokenizer and not os.path.exists(tokenizer):
+            raise InferenceError(f"tokenizer {tokenizer} does not exist; pass a sentencepiece .model file or an "
+                                 f"HF tokenizer directory")
+        tok = load_tokenizer(path) if path and os.path.exists(path) else None
+        engine = cls(model, tok, **kwargs)
+        engine.checkpoint, engine.meta = loaded.checkpoint, loaded.meta
+        return engine
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: Optional[SamplingParams] = None) -> int:
+        """Queue a prompt (text, or token ids); returns the request id."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InferenceError("this model has no tokenizer (the run's data.tokenizer file is missing); "
+                                     "pass token ids or a tokenizer")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        self.model.check_tokens(torch.tensor(ids, dtype=torch.long)[None] if ids else torch.zeros(1, 0))
+        eos = getattr(self.tokenizer, "eos_id", None)
+        req = _Request(self._next_id, ids, params, StopChecker(params, eos), make_generator(params))
+        self._next_id += 1
+        self.waiting.append(req)
+        return req.id
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Admit, decode one token for every running request, finish; returns this step's events."""
+        events = self._admit()
+        if self.running:
+            events += self._decode()
+        self.stats["max_running"] = max(self.stats["max_running"], len(self.running))
+        return events
+
+    def _admit(self) -> list[Event]:
+        events = []
+        while self.waiting and len(self.running) < self.max_batch:
+            if len(self.pool.free_pages) <= self._blocked_free:
+                break  # nothing was freed since the head of the queue last failed to fit
+            req = self.waiting[0]
+            self.cache.add(req.id)
+            try:
+                start = time.perf_counter()
+                logits = self.model.prefill(self.cache, req.id, torch.tensor(req.prompt))
+                self.stats["prefill_s"] += time.perf_counter() - start
+                self.stats["prefill_tokens"] += len(req.prompt)
+            except OutOfPages as e:
+                self.cache.release(req.id)
+                if self.running:
+                    self._blocked_free = len(self.pool.free_pages)
+                    break
+                self.waiting.popleft()
+                events.append(self._fail(req, f"the prompt ({len(req.prompt)} tokens) does not fit in the KV "
+                                              f"budget even alone ({e}); raise kv_bytes or shorten the prompt"))
+                continue
+            self._blocked_free = -1
+            self.waiting.popleft()
+            self.running.append(req)
+            events.append(self._accept(req, int(sample(logits[-1:], [req.params], [req.generator])[0])))
+        return events
+
+    def _decode(self) -> list[Event]:
+        events, overflow = [], []
+        free = len(self.pool.free_pages)
+        for req in self.running:  # reserve the pages this step can take, oldest requests first
+            need = self.cache.decode_pages_needed(req.id)
+            if need > free:
+                overflow.append(req)
+            else:
+                free -= need
+        for req in overflow:
+            events.append(self._fail(req, f"out of KV pages mid-generation after {len(req.tokens)} tokens "
+                                          f"({self.pool.num_pages} pages of {self.pool.page_size} entries); raise "
+                                          f"kv_bytes or lower max_batch"))
+        if not self.running:
+            return events
+        batch = list(self.running)
+        tokens = torch.tensor([r.tokens[-1] for r in batch])
+        positions = torch.tensor([r.position for r in batch])
+        start = time.perf_counter()
+        logits = self.model.decode(self.cache, [r.id for r in batch], tokens, positions)
+        self.stats["decode_s"] += time.perf_counter() - start
+        self.stats["decode_tokens"] += len(batch)
+        new = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        for req, token in zip(batch, new.tolist()):
+            events.append(self._accept(req, token))
+        return events
+
+    def _accept(self, req: _Request, token: int) -> Event:
+        """Append a sampled token; finish the request if it stops here."""
+        req.tokens.append(token)
+        old = req.text
+        req.text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else ""
+        done, reason, req.text = req.stop.check(token, req.text)
+        if not done and req.position + 1 >= self.model.shape.max_positions:
+            done, reason = True, "max_positions"
+        if done:
+            self._finish(req, reason)
+        return Event(req.id, token, req.text[len(old):] if req.text.startswith(old) else req.text, done, reason)
+
+    def _finish(self, req: _Request, reason: Optional[str], error: Optional[str] = None) -> None:
+        out = Output(req.id, req.prompt, req.tokens, req.text, reason, error)
+        if req.id in self.cache.rows:
+            entries = self.cache.entries(req.id)
+            tokens = len(req.prompt) + len(req.tokens) - 1  # written into the cache (the last one never fed)
+            out.entries = entries.tolist()
+            out.compression = {"overall": tokens * entries.numel() / max(int(entries.sum()), 1),
+                               "per_layer": (tokens * entries.shape[1] / entries.sum(1).clamp(min=1)).tolist(),
+                               "tokens": tokens}
+            out.kv_bytes = self.cache.bytes_held(req.id)
+            self.cache.release(req.id)
+        if req in self.running:
+            self.running.remove(req)
+        self.finished[req.id] = out
+
+    def _fail(self, req: _Request, message: str) -> Event:
+        self._finish(req, "error", message)
+        return Event(req.id, None, "", True, "error", message)
+
+    # -- conveniences -----------------------------------------------------------------------------
+    def stream(self, prompts: Sequence[str | Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[Event]:
+        """Queue ``prompts`` and yield events until all of them (and earlier requests) are done."""
+        for prompt, p in zip(prompts, _per_prompt(params, len(prompts))):
+            self.add_request(prompt, p)
+        while self.has_work():
+            yield from self.step()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
+        """Run ``prompts`` to completion; their :class:`Output` in prompt order."""
+        first = self._next_id
+        for _ in self.stream(prompts, params):
+            pass
+        return [self.finished.pop(i) for i in range(first, first + len(prompts))]
+
+    def memory(self) -> dict:
+        """The pool now and at peak (bytes), and the per-row state of running requests."""
+        return {**self.pool.nbytes(), "page_bytes": self.pool.page_bytes, "pages": self.pool.num_pages,
+                "running_state": sum(self.cache.state_bytes(r.id) for r in self.running)}
+
+
+def _per_prompt(params, n: int) -> list[Optional[SamplingParams]]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise InferenceError(f"{len(params)} sampling params for {n} prompts; give one, or one per prompt")
+    return list(params)

@@ -1,0 +1,124 @@
+"""Caches + the inference forward: prefill and batched decode equal the teacher-forced forward, the
+DMC cache holds exactly Algorithm 1's slots, and the parallel prefill writes what token-by-token
+updates write."""
+
+import pytest
+import torch
+
+from dmc_train.inference.caches import DMCCache, FullCache
+from dmc_train.inference.pool import PagePool
+from tests.inference.conftest import SHAPE
+
+DMC_VARIANTS = ["dmc_exact", "dmc_window", "dmc_hardc", "fixed_pooling"]
+
+
+def new_cache(model, num_pages=256, page_size=16):
+    pool = PagePool(num_pages, page_size, SHAPE.head_dim, 16 * SHAPE.num_layers * SHAPE.num_kv_heads,
+                    SHAPE.max_positions, dtype=model.dtype)
+    if model.dmc is None:
+        return FullCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale)
+    return DMCCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale, model.dmc)
+
+
+def teacher_forced_decode(model, cache, sequences, prompt_lens):
+    """Prefill each prompt, then feed the rest of every sequence in batched decode steps (ragged: a
+    sequence leaves the batch when it is done). Returns each sequence's logits ``[n, V]``."""
+    logits = []
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
+        cache.add(i)
+        logits.append([model.prefill(cache, i, seq[:p])])
+    pos = list(prompt_lens)
+    while True:
+        active = [i for i, seq in enumerate(sequences) if pos[i] < len(seq)]
+        if not active:
+            return [torch.cat(parts) for parts in logits]
+        out = model.decode(cache, active, torch.stack([sequences[i][pos[i]] for i in active]),
+                           torch.tensor([pos[i] for i in active]))
+        for row, i in enumerate(active):
+            logits[i].append(out[row: row + 1])
+            pos[i] += 1
+
+
+def capture_decisions(model):
+    """Record the hard decisions ``alpha [b, H_kv, n]`` of every layer of the next forwards."""
+    seen, original = [], model._decisions
+
+    def spy(q, k, positions):
+        alpha, omega = original(q, k, positions)
+        seen.append(alpha)
+        return alpha, omega
+
+    model._decisions = spy
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["full", *DMC_VARIANTS])
+def test_ragged_batched_decode_equals_the_teacher_forced_forward(make_model, variant):
+    model = make_model(variant)
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (40, 23, 33)]
+    got = teacher_forced_decode(model, new_cache(model), sequences, prompt_lens=[7, 1, 18])
+    for seq, logits in zip(sequences, got):
+        torch.testing.assert_close(logits, model.forward(seq[None])[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", DMC_VARIANTS)
+def test_dmc_cache_holds_algorithm_1_slot_counts(make_model, variant):
+    model = make_model(variant)
+    seq = torch.randint(0, SHAPE.vocab_size, (45,), generator=torch.Generator().manual_seed(2))
+    decisions = capture_decisions(model)
+    model.forward(seq[None])
+    cache = new_cache(model)
+    teacher_forced_decode(model, cache, [seq], prompt_lens=[20])
+    # Algorithm 1: the first token opens a slot, every later token appends (alpha 0) or merges (alpha 1)
+    expected = torch.stack([1 + (alpha[0, :, 1:] == 0).sum(-1) for alpha in decisions[:SHAPE.num_layers]])
+    assert torch.equal(cache.entries(0), expected)
+    assert 1 < int(expected.min()) and int(expected.max()) < 45  # both decisions occurred
+
+
+@pytest.mark.parametrize("variant", DMC_VARIANTS)
+def test_parallel_prefill_writes_what_token_by_token_updates_write(make_model, variant):
+    model = make_model(variant)
+    seq = torch.randint(0, SHAPE.vocab_size, (50,), generator=torch.Generator().manual_seed(3))
+    parallel, stepwise = new_cache(model), new_cache(model)
+    teacher_forced_decode(model, parallel, [seq], prompt_lens=[50])
+    teacher_forced_decode(model, stepwise, [seq], prompt_lens=[1])
+    assert torch.equal(parallel.entries(0), stepwise.entries(0))
+    for a, b in zip(parallel.rows[0].flatten().tolist(), stepwise.rows[0].flatten().tolist()):
+        for x, y in zip(parallel.pool.read(a), stepwise.pool.read(b)):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+        for name in ("open_k", "open_v", "open_w"):  # the open slot's running state
+            torch.testing.assert_close(getattr(parallel, name)[a], getattr(stepwise, name)[b], rtol=0, atol=1e-5)
+        assert parallel.open_tokens[a] == stepwise.open_tokens[b]
+
+
+def test_window_accumulation_drops_the_oldest_token_of_a_long_segment(make_model):
+    """Fixed pooling of 3 with a window of 2: the slot of tokens (0, 1, 2) averages only 1 and 2."""
+    model = make_model("fixed_pooling")
+    model.dmc = type(model.dmc)(channel=None, pool=3, accumulation="window", window=2)
+    seq = torch.randint(0, SHAPE.vocab_size, (3,), generator=torch.Generator().manual_seed(4))
+    cache = new_cache(model)
+    keys = []
+    original = cache.prefill
+
+    def spy(layer, seq_id, q, k, v, info):
+        keys.append(k[0])
+        return original(layer, seq_id, q, k, v, info)
+
+    cache.prefill = spy
+    teacher_forced_decode(model, cache, [seq], prompt_lens=[3])
+    row = int(cache.rows[0][0, 0])
+    slot_k, _ = cache.pool.read(row)
+    assert slot_k.shape[0] == 1
+    torch.testing.assert_close(slot_k[0], keys[0][0, 1:].mean(0))
+
+
+@pytest.mark.parametrize("variant", ["full", "dmc_exact"])
+def test_bf16_pages_and_logits(make_model, variant):
+    seq = torch.randint(0, SHAPE.vocab_size, (30,), generator=torch.Generator().manual_seed(5))
+    model = make_model(variant, torch.bfloat16)
+    cache = new_cache(model)
+    got = teacher_forced_decode(model, cache, [seq], prompt_lens=[10])[0]
+    assert got.dtype == torch.bfloat16 and cache.pool.k_pages.dtype == torch.bfloat16
+    # bf16 rounding differs between the paths (SDPA in bf16 at prefill, fp32 paged attention at decode)
+    torch.testing.assert_close(got.float(), model.forward(seq[None])[0].float(), rtol=0, atol=0.15)

@@ -1,0 +1,57 @@
+"""The paged KV pool: pages on demand, free list, peak accounting, clear failures that change nothing."""
+
+import pytest
+import torch
+
+from dmc_train.errors import InferenceError, OutOfPages
+from dmc_train.inference.pool import PagePool
+
+
+def pool(num_pages=8, page_size=16, rows=4, entries=64):
+    return PagePool(num_pages, page_size, head_dim=8, max_rows=rows, max_entries=entries)
+
+
+@pytest.mark.parametrize("page_size", [8, 24, 0, 100])
+def test_page_size_must_be_a_power_of_two_of_at_least_16(page_size):
+    with pytest.raises(InferenceError, match=f"page_size={page_size} must be a power of two >= 16"):
+        pool(page_size=page_size)
+
+
+def test_pages_are_taken_on_demand_and_returned():
+    p = pool()
+    rows = p.new_rows(2)
+    p.grow(rows, torch.tensor([1, 17]))  # 1 page + 2 pages
+    assert p.used_pages == 3 and p.pages_of(rows) == 3
+    p.grow(rows, torch.tensor([16, 32]))  # still within the pages held
+    assert p.used_pages == 3
+    p.grow(rows, torch.tensor([17, 32]))
+    assert p.used_pages == 4
+    k, v = torch.randn(4, 8), torch.randn(4, 8)
+    p.write(rows[[0, 0, 1, 1]], torch.tensor([0, 16, 0, 31]), k, v)
+    got_k, got_v = p.read(int(rows[1]))
+    assert torch.equal(got_k[[0, 31]], k[2:]) and torch.equal(got_v[[0, 31]], v[2:])
+    assert p.nbytes()["allocated"] == 4 * p.page_bytes
+    p.free_rows(rows)
+    assert p.used_pages == 0 and sorted(p.free_pages) == list(range(8))
+    assert p.nbytes() == {"allocated": 0, "peak": 4 * p.page_bytes, "total": 8 * p.page_bytes}
+    assert p.seq_lens.sum() == 0 and (p.block_table == -1).all()
+
+
+def test_out_of_pages_changes_nothing():
+    p = pool(num_pages=3)
+    rows = p.new_rows(2)
+    p.grow(rows, torch.tensor([16, 16]))
+    before = (p.block_table.clone(), p.seq_lens.clone(), list(p.free_pages))
+    with pytest.raises(OutOfPages, match="out of KV pages: 2 needed, 1 free of 3"):
+        p.grow(rows, torch.tensor([17, 17]))
+    assert torch.equal(p.block_table, before[0]) and torch.equal(p.seq_lens, before[1])
+    assert p.free_pages == before[2]
+
+
+def test_rows_are_limited_and_cannot_outgrow_the_model():
+    p = pool(rows=2, entries=32)
+    rows = p.new_rows(2)
+    with pytest.raises(OutOfPages, match="the block table has 0 free rows, 1 needed; raise the engine's max_batch"):
+        p.new_rows(1)
+    with pytest.raises(InferenceError, match="would hold 33 entries, more than the model's 32 positions"):
+        p.grow(rows[:1], torch.tensor([33]))
