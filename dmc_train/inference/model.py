@@ -145,8 +145,7 @@ class LlamaForInference:
         return alpha, decisions.importance(q_dec, st.init_offset)
 
     # -- forward ----------------------------------------------------------------------------------
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor,
-             attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, TokenInfo], torch.Tensor]) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Logits ``[b, n, V]`` of ``tokens [b, n]`` at ``positions [b, n]``; ``attend(layer, q, k, v, info)``
         returns ``[b, H, n, d_v]``."""
         s = self.shape

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
 from typing import Any
 
 from dmc_train.errors import ConfigError
