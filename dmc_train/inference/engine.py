@@ -75,7 +75,7 @@ class _Request:
     generator: Optional[torch.Generator]
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    output: Optional[Output] = None
+    streamed: str = ""  # the part of ``text`` already sent in events
 
     @property
     def position(self) -> int:  # position of the last sampled token, the next one to feed
@@ -112,7 +112,12 @@ class Engine:
             raise InferenceError(f"kv_bytes={kv_bytes} holds {num_pages} pages of {probe.page_bytes} bytes, fewer "
                                  f"than one page per KV head per layer ({rows_per_seq}); raise it to at least "
                                  f"{rows_per_seq * probe.page_bytes}")
+        if tokenizer is not None and tokenizer.vocab_size > s.vocab_size:
+            raise InferenceError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {s.vocab_size}; "
+                                 f"use the tokenizer the model was trained with")
         self.model, self.tokenizer = model, tokenizer
+        # ids past the tokenizer's (a padded embedding) are never sampled
+        self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else s.vocab_size
         self.pool = PagePool(num_pages, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
                              dtype=model.dtype)
         kw = {"settings": model.dmc} if CACHES[name] is DMCCache else {}
@@ -198,7 +203,7 @@ class Engine:
             self._blocked_free = -1
             self.waiting.popleft()
             self.running.append(req)
-            events.append(self._accept(req, int(sample(logits[-1:], [req.params], [req.generator])[0])))
+            events.append(self._accept(req, int(self._sample(logits[-1:], [req])[0])))
         return events
 
     def _decode(self) -> list[Event]:
@@ -223,22 +228,32 @@ class Engine:
         logits = self.model.decode(self.cache, [r.id for r in batch], tokens, positions)
         self.stats["decode_s"] += time.perf_counter() - start
         self.stats["decode_tokens"] += len(batch)
-        new = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+        new = self._sample(logits, batch)
         for req, token in zip(batch, new.tolist()):
             events.append(self._accept(req, token))
         return events
 
+    def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
+        return sample(logits[:, : self.vocab_limit], [r.params for r in requests], [r.generator for r in requests])
+
     def _accept(self, req: _Request, token: int) -> Event:
         """Append a sampled token; finish the request if it stops here."""
         req.tokens.append(token)
-        old = req.text
         req.text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else ""
         done, reason, req.text = req.stop.check(token, req.text)
         if not done and req.position + 1 >= self.model.shape.max_positions:
             done, reason = True, "max_positions"
         if done:
             self._finish(req, reason)
-        return Event(req.id, token, req.text[len(old):] if req.text.startswith(old) else req.text, done, reason)
+        return Event(req.id, token, self._new_text(req, done), done, reason)
+
+    @staticmethod
+    def _new_text(req: _Request, done: bool) -> str:
+        """Text to stream now: held back while it ends inside a multi-byte character (U+FFFD)."""
+        if (not done and req.text.endswith("\ufffd")) or not req.text.startswith(req.streamed):
+            return ""
+        new, req.streamed = req.text[len(req.streamed):], req.text
+        return new
 
     def _finish(self, req: _Request, reason: Optional[str], error: Optional[str] = None) -> None:
         out = Output(req.id, req.prompt, req.tokens, req.text, reason, error)
@@ -265,6 +280,10 @@ class Engine:
         """Queue ``prompts`` and yield events until all of them (and earlier requests) are done."""
         for prompt, p in zip(prompts, _per_prompt(params, len(prompts))):
             self.add_request(prompt, p)
+        yield from self.run()
+
+    def run(self) -> Iterator[Event]:
+        """Step until every queued request is done, yielding the events."""
         while self.has_work():
             yield from self.step()
 
@@ -288,3 +307,19 @@ def _per_prompt(params, n: int) -> list[Optional[SamplingParams]]:
     if len(params) != n:
         raise InferenceError(f"{len(params)} sampling params for {n} prompts; give one, or one per prompt")
     return list(params)
+
+
+def summarize(outputs: Sequence[Output]) -> dict:
+    """Totals over finished requests: tokens written to the cache, entries held at the end, the
+    achieved compression overall and per layer (tokens / entries, over requests and KV heads)."""
+    done = [o for o in outputs if o.entries is not None]
+    if not done:
+        return {"requests": len(outputs), "failed": sum(o.error is not None for o in outputs)}
+    entries = torch.stack([torch.tensor(o.entries, dtype=torch.float64) for o in done])  # [R, L, H_kv]
+    tokens = torch.tensor([o.compression["tokens"] for o in done], dtype=torch.float64)
+    heads = entries.shape[2]
+    per_layer = (tokens.sum() * heads / entries.sum((0, 2))).tolist()
+    return {"requests": len(outputs), "failed": sum(o.error is not None for o in outputs),
+            "generated_tokens": sum(len(o.tokens) for o in outputs), "cached_tokens": int(tokens.sum()),
+            "compression": float(tokens.sum() * entries[0].numel() / entries.sum()), "per_layer": per_layer,
+            "kv_bytes_at_end": sum(o.kv_bytes.get("total", 0) for o in done)}

@@ -1,0 +1,123 @@
+"""Generate text from a checkpoint with the inference engine (paged KV cache, continuous batching).
+
+    python launch/generate.py --checkpoint runs/dmc_tiny_cr2.0 --prompt "To be, or not to be"
+    python launch/generate.py --checkpoint CKPT --prompts-file prompts.txt --max-new-tokens 100 \
+        --temperature 0.8 --top-p 0.95 --seed 1 --kv-bytes 64MB --max-batch 8
+    python launch/generate.py --checkpoint CKPT --prompt "5 17 42" --token-ids   # prompts as token ids
+    python -m launch.generate ...        # same, from an installed package
+
+One prompt streams its tokens to the terminal; several print each output when it finishes. The
+end shows throughput, the KV bytes held, and the achieved compression per layer (DMC: tokens per
+cache slot). The cache follows the checkpoint (``--cache auto``: DMC checkpoints use the DMC cache).
+Logic: ``dmc_train/inference/``.
+"""
+
+import argparse
+import json
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, help="checkpoint, run directory or checkpoints root")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    src.add_argument("--prompts-file", help="a text file with one prompt per line")
+    p.add_argument("--token-ids", action="store_true", help="prompts are whitespace-separated token ids")
+    p.add_argument("--tokenizer", help="tokenizer (default: the run's data.tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--cache", default="auto", help="auto | full | dmc")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-bytes", default=None, help="KV page budget, e.g. 64MB (default: max-batch full-length rows)")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"), help="default: the checkpoint's")
+    p.add_argument("--json", help="also write the outputs and the summary to this file")
+    return p.parse_args(argv)
+
+
+def read_prompts(args) -> list:
+    from dmc_train.errors import InferenceError
+
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise InferenceError(f"cannot read --prompts-file {args.prompts_file}: {e.strerror}") from None
+    else:
+        prompts = args.prompt
+    if args.token_ids:
+        try:
+            return [[int(t) for t in p.split()] for p in prompts]
+        except ValueError:
+            raise InferenceError("--token-ids: prompts must be whitespace-separated integers") from None
+    return prompts
+
+
+def report(engine, outputs, summary) -> None:
+    st, mem = engine.stats, engine.memory()
+    print("\n--- summary", flush=True)
+    for o in outputs:
+        status = o.error or o.finish_reason
+        print(f"request {o.request_id}: {len(o.prompt_tokens)} prompt + {len(o.tokens)} new tokens ({status})")
+    if st["prefill_s"]:
+        print(f"prefill: {st['prefill_tokens']} tokens in {st['prefill_s']:.2f}s "
+              f"({st['prefill_tokens'] / st['prefill_s']:.0f} tokens/s)")
+    if st["decode_s"]:
+        print(f"decode: {st['decode_tokens']} tokens in {st['decode_s']:.2f}s "
+              f"({st['decode_tokens'] / st['decode_s']:.0f} tokens/s, up to {st['max_running']} sequences at once)")
+    print(f"KV cache ({engine.cache_name}): peak {mem['peak'] / 2**20:.2f} MiB of a {mem['total'] / 2**20:.2f} MiB "
+          f"pool ({mem['pages']} pages x {mem['page_bytes']} bytes)")
+    if "compression" in summary:
+        layers = " ".join(f"{c:.2f}" for c in summary["per_layer"])
+        print(f"achieved compression: {summary['compression']:.2f}x (tokens per cache entry); per layer: {layers}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+
+    from dmc_train import cli
+
+    def run():
+        from dmc_train.conversion.hf_export import parse_size
+        from dmc_train.inference.engine import Engine, summarize
+        from dmc_train.inference.sampling import SamplingParams
+
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+        prompts = read_prompts(args)
+        kv_bytes = parse_size(args.kv_bytes) if args.kv_bytes else None
+        engine = Engine.from_checkpoint(args.checkpoint, dtype=args.dtype, tokenizer=args.tokenizer, cache=args.cache,
+                                        page_size=args.page_size, kv_bytes=kv_bytes, max_batch=args.max_batch)
+        ids = [engine.add_request(p, params) for p in prompts]
+        stream = len(prompts) == 1
+        if stream and isinstance(prompts[0], str):
+            print(prompts[0], end="", flush=True)
+        for event in engine.run():
+            if stream and event.token is not None:
+                print(event.text if engine.tokenizer else f" {event.token}", end="", flush=True)
+            elif not stream and event.finished:
+                out = engine.finished[event.request_id]
+                shown = out.text if engine.tokenizer else " ".join(map(str, out.tokens))
+                print(f"[{event.request_id}] {shown if out.error is None else 'error: ' + out.error}", flush=True)
+        outputs = [engine.finished[i] for i in ids]
+        summary = summarize(outputs)
+        report(engine, outputs, summary)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"outputs": [o.__dict__ for o in outputs], "summary": summary, "stats": engine.stats,
+                           "memory": engine.memory()}, f, indent=1)
+        if any(o.error for o in outputs):
+            print("error: " + next(o.error for o in outputs if o.error), file=sys.stderr)
+            sys.exit(1)
+
+    cli.run_reporting_errors(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The inference side on real checkpoints: the same logits as the training model (vanilla/GQA, and
+DMC with hard decisions), Algorithm 1's slot counts in the cache, and the generate command."""
+
+import json
+
+import pytest
+
+from tests.helpers import run, run_json
+from tests.test_data_tokenizer import tiny_docs
+
+TRAIN = ["launch/pretrain.py", "+recipe=tiny_pretrain", "logging.progress=false", "train.eval_interval=0"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inference_runs")
+    # init_offset 0: about half of the untrained model's decisions merge, so the cache really compresses
+    run([*TRAIN, "method=dmc", "method.init_offset=0.0", "train.max_steps=4", f"run_dir={root / 'dmc'}"])
+    run([*TRAIN, "model.num_query_groups=4", "train.max_steps=2", f"run_dir={root / 'gqa'}"])
+    return root
+
+
+def test_inference_model_and_cache_match_the_training_model(runs, tmp_path):
+    res = run_json(["tests/scripts/inference_checks.py", str(runs / "dmc"), str(runs / "gqa")],
+                   str(tmp_path / "out.json"))
+    dmc, gqa = res[str(runs / "dmc")], res[str(runs / "gqa")]
+    for r in (dmc, gqa):
+        assert r["forward_vs_training"] < 1e-4
+        assert r["engine_vs_training"] < 1e-4  # prefill + ragged batched decode, fp32
+    assert dmc["entries"] == dmc["algorithm1"]  # [sequence][layer][KV head]
+    counts = [c for seq in dmc["entries"] for layer in seq for c in layer]
+    assert 1 < min(counts) and max(counts) < 48  # compressed, and not to a single slot
+    assert {c for seq in gqa["entries"] for layer in seq for c in layer} == {48}
+    assert len(gqa["entries"][0][0]) == 4  # GQA: one row per KV group
+
+
+def test_generate_command_streams_and_reports_compression(runs, tmp_path):
+    out = tmp_path / "gen.json"
+    proc = run(["launch/generate.py", "--checkpoint", str(runs / "dmc"), "--prompt", "5 17 42 7 7 300",
+                "--token-ids", "--max-new-tokens", "12", "--kv-bytes", "1MB", "--json", str(out)])
+    result = json.loads(out.read_text())
+    tokens = result["outputs"][0]["tokens"]
+    assert proc.stdout.split("\n")[0].split() == [str(t) for t in tokens]  # streamed as produced
+    assert "achieved compression:" in proc.stdout and "KV cache (dmc)" in proc.stdout
+    assert result["summary"]["compression"] > 1 and len(result["summary"]["per_layer"]) == 4
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3\n\n9 9 9 9 9\n4\n")
+    proc = run(["launch/generate.py", "--checkpoint", str(runs / "gqa"), "--prompts-file", str(prompts),
+                "--token-ids", "--max-new-tokens", "5", "--max-batch", "2"])
+    assert sorted(line[:3] for line in proc.stdout.splitlines() if line.startswith("[")) == ["[0]", "[1]", "[2]"]
+    assert "KV cache (full)" in proc.stdout and "achieved compression: 1.00x" in proc.stdout
+
+
+def test_generate_command_with_a_tokenizer(runs, tmp_path):
+    from dmc_train.data.tokenizer import train_sentencepiece
+
+    tok = train_sentencepiece(tiny_docs(), str(tmp_path / "tok.model"), vocab_size=400)
+    proc = run(["launch/generate.py", "--checkpoint", str(runs / "dmc"), "--tokenizer", tok.path,
+                "--prompt", "The king", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3",
+                "--json", str(tmp_path / "gen.json")])
+    out = json.loads((tmp_path / "gen.json").read_text())["outputs"][0]
+    assert proc.stdout.startswith("The king" + out["text"])
+    assert out["prompt_tokens"] == tok.encode("The king") and len(out["tokens"]) == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "{runs}/missing", "--prompt", "1", "--token-ids"], "does not exist"),
+    (["--checkpoint", "{runs}/gqa", "--prompt", "1", "--token-ids", "--cache", "dmc"],
+     "the 'dmc' cache needs a DMC model"),
+    (["--checkpoint", "{runs}/dmc", "--prompt", "hello"], "this model has no tokenizer"),
+])
+def test_generate_command_bad_input(runs, args, message):
+    proc = run(["launch/generate.py", *[a.format(runs=runs) for a in args]], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
