@@ -120,15 +120,20 @@ class Engine:
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else s.vocab_size
         self.pool = PagePool(num_pages, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
                              dtype=model.dtype)
-        kw = {"settings": model.dmc} if CACHES[name] is DMCCache else {}
-        self.cache: KVCache = CACHES[name](self.pool, s.num_layers, s.num_kv_heads, model.scale, **kw)
         self.cache_name, self.max_batch = name, max_batch
+        self.cache = self.new_cache()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, Output] = {}
         self._next_id = 0
         self._blocked_free = -1  # free pages when the head of the queue last failed to fit
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "max_running": 0}
+
+    def new_cache(self) -> KVCache:
+        """A cache of the engine's kind on the engine's pool (the engine's own is ``self.cache``)."""
+        s, kind = self.model.shape, CACHES[self.cache_name]
+        kw = {"settings": self.model.dmc} if kind is DMCCache else {}
+        return kind(self.pool, s.num_layers, s.num_kv_heads, self.model.scale, **kw)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
