@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
-from kernels.paged import paged_attention
+from kernels.paged import paged_attention, paged_write
 
 MIN_PAGE_SIZE = 16
 
@@ -129,9 +129,7 @@ class PagePool:
 
     def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k [n, d]``, ``v [n, d_v]`` at entry ``positions [n]`` of ``rows [n]`` (already allocated)."""
-        page, offset = self.locate(rows, positions)
-        self.k_pages[page, offset] = k.to(self.dtype)
-        self.v_pages[page, offset] = v.to(self.dtype)
+        paged_write(self.k_pages, self.v_pages, self.block_table, rows, positions, k, v)
 
     def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All entries of one row: ``(k [len, d], v [len, d_v])`` (tests and inspection)."""

@@ -14,10 +14,16 @@ flash-attn's ``flash_attn_with_kvcache``):
 Every cached token is visible to the decode query (no causal mask). Rows may be ragged and their
 pages in any order.
 
-Public op: :func:`paged_attention` validates its inputs (``_checks.py``), then dispatches by device in
-one place, ``_paged_impl`` below. Today the PyTorch implementation (``varlen.py``: flattened tokens,
-segment softmax, cost proportional to the tokens cached) runs on every device; a Triton kernel for
-CUDA tensors will be added beside it and chosen by the same dispatch.
+Public ops (each validates its inputs, then picks an implementation in one place, ``_use_triton``
+below, by :mod:`kernels.backend`: Triton for CUDA tensors, PyTorch elsewhere):
+
+- :func:`paged_attention`: decode attention. PyTorch: ``varlen.py`` (flattened tokens, segment
+  softmax, cost proportional to the tokens cached); Triton: ``triton_kernels.py`` (split-K over pages,
+  G query heads per program, log-sum-exp merge).
+- :func:`paged_write`: store entries at positions of rows (append; an eviction policy's in-place
+  overwrite). PyTorch: ``writes.py``.
+- :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append) and the
+  open slot's normalised state into its page entry. PyTorch: ``writes.py``.
 
 Reference (``reference.py``, re-exported here): :func:`reference_paged_attention` (loop over rows and
 tokens).
@@ -32,19 +38,24 @@ from typing import Callable
 
 import torch
 
+from kernels.backend import use_triton
+
 from ._checks import check_paged_inputs
 from .reference import reference_paged_attention
 from .varlen import paged_attention_torch
+from .writes import dmc_cache_update_torch, paged_write_torch
 
-__all__ = ["paged_attention", "reference_paged_attention"]
+__all__ = ["dmc_cache_update", "paged_attention", "paged_write", "reference_paged_attention"]
 
 
-def _paged_impl(device: torch.device) -> Callable:
-    """The implementation of :func:`paged_attention` for tensors on ``device``.
+def _impl(name: str, device: torch.device) -> Callable:
+    """The implementation of op ``name`` for tensors on ``device`` (the one dispatch of this family)."""
+    if use_triton(device):
+        from . import triton_kernels
 
-    Today the PyTorch implementation on every device; a Triton kernel for CUDA tensors will be chosen here.
-    """
-    return paged_attention_torch
+        return getattr(triton_kernels, f"{name}_triton")
+    return {"paged_attention": paged_attention_torch, "paged_write": paged_write_torch,
+            "dmc_cache_update": dmc_cache_update_torch}[name]
 
 
 def paged_attention(
@@ -75,4 +86,35 @@ def paged_attention(
     check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return _paged_impl(q.device)(q, k_pages, v_pages, block_table, seq_lens, float(scale))
+    return _impl("paged_attention", q.device)(q, k_pages, v_pages, block_table, seq_lens, float(scale))
+
+
+def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
+                positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store ``k [N, d]``, ``v [N, d_v]`` at entry ``positions [N]`` of ``rows [N]`` (in place).
+
+    The pages must already be assigned in ``block_table``; an existing entry is overwritten (how a
+    fixed-budget policy replaces its victim). Values are cast to the pages' dtype.
+    """
+    if not (rows.shape == positions.shape == k.shape[:1] == v.shape[:1]):
+        raise ValueError(f"rows {tuple(rows.shape)}, positions {tuple(positions.shape)}, k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)} must agree on N")
+    _impl("paged_write", k_pages.device)(k_pages, v_pages, block_table, rows, positions, k, v)
+
+
+def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, rows: torch.Tensor, append: torch.Tensor, omega: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, open_k: torch.Tensor, open_v: torch.Tensor,
+                     open_w: torch.Tensor, open_tokens: torch.Tensor) -> None:
+    """One DMC decode step (Algorithm 1) for ``rows [N]``, in place (see ``writes.py`` for the state layout).
+
+    ``append [N]`` bool (True: close the open slot, start a new one with this token; False: merge it),
+    ``omega [N]`` importances, ``k [N, d]``, ``v [N, d_v]``. ``seq_lens`` already counts the step (the
+    caller grew appending rows by one and assigned their page); the open slot is entry
+    ``seq_lens[row] - 1``. State: ``open_k [rows, ring, d]``, ``open_v [rows, ring, d_v]``,
+    ``open_w [rows, ring]`` fp32, ``open_tokens [rows]`` int64; ``ring = 1`` exact, ``ring = w`` window.
+    """
+    if open_k.dtype != torch.float32 or open_tokens.dtype != torch.int64:
+        raise ValueError("the open-slot state must be float32 (open_k/open_v/open_w) and int64 (open_tokens)")
+    _impl("dmc_cache_update", k_pages.device)(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
+                                              open_k, open_v, open_w, open_tokens)

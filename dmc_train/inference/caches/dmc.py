@@ -24,6 +24,7 @@ from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
 from dmc_train.methods.configs import DMCSettings
 from kernels.dmc import dmc_attention, partial_accumulation
+from kernels.paged import dmc_cache_update
 
 
 def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor,
@@ -91,23 +92,9 @@ class DMCCache(KVCache):
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         rows = self.layer_rows(layer, seq_ids).flatten()
-        k, v = k.reshape(len(rows), -1).float(), v.reshape(len(rows), -1).float()
-        omega = info.omega.reshape(-1).float()
         append = info.alpha.reshape(-1) == 0
-        fresh = rows[append]
-        self.open_k[fresh], self.open_v[fresh], self.open_w[fresh], self.open_tokens[fresh] = 0, 0, 0, 0
-        slot = self.open_tokens[rows] % self.ring
-        if self.ring == 1:  # exact: merges add to the running sums
-            self.open_k[rows, 0] += omega[:, None] * k
-            self.open_v[rows, 0] += omega[:, None] * v
-            self.open_w[rows, 0] += omega
-        else:  # window: the newest token replaces the oldest of the ring
-            self.open_k[rows, slot] = omega[:, None] * k
-            self.open_v[rows, slot] = omega[:, None] * v
-            self.open_w[rows, slot] = omega
-        self.open_tokens[rows] += 1
-        z = self.open_w[rows].sum(-1, keepdim=True)
-        lens = self.pool.seq_lens[rows].long() + append.long()
-        self.pool.grow(rows, lens)
-        self.pool.write(rows, lens - 1, self.open_k[rows].sum(1) / z, self.open_v[rows].sum(1) / z)
+        self.pool.grow(rows, self.pool.seq_lens[rows].long() + append.long())
+        dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
+                         append, info.omega.reshape(-1), k.reshape(len(rows), -1), v.reshape(len(rows), -1),
+                         self.open_k, self.open_v, self.open_w, self.open_tokens)
         return self.attend_paged(rows.view(len(seq_ids), -1), q)

@@ -1,0 +1,26 @@
+"""The engine with the Triton kernels (under the interpreter on CPU) generates what the PyTorch paths do."""
+
+import os
+
+import pytest
+
+from kernels import backend
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
+
+
+@pytest.mark.parametrize("variant", ["full", "dmc_exact", "dmc_window"])
+def test_engine_generates_the_same_tokens_with_the_triton_kernels(make_model, variant):
+    from dmc_train.inference.engine import Engine
+    from dmc_train.inference.sampling import SamplingParams
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]
+    want = Engine(make_model(variant)).generate(prompts, SamplingParams(max_new_tokens=6))
+    backend.set_backend("triton")
+    try:
+        got = Engine(make_model(variant)).generate(prompts, SamplingParams(max_new_tokens=6))
+    finally:
+        backend.set_backend("auto")
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    assert [o.entries for o in got] == [o.entries for o in want]

@@ -1,0 +1,103 @@
+"""The Triton kernels of kernels/paged under the interpreter (CPU tensors) against the PyTorch paths."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import backend  # noqa: E402
+from kernels.paged import dmc_cache_update, paged_attention, paged_write, reference_paged_attention  # noqa: E402
+from kernels.paged.triton_kernels import paged_attention_triton  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
+
+
+@pytest.fixture
+def triton_backend():
+    backend.set_backend("triton")
+    yield
+    backend.set_backend("auto")
+
+
+def paged_rows(lens, page_size, d, dv, seed=0):
+    """Random pages shared by rows of ``lens`` tokens, pages in shuffled order; unused entries -1."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // page_size) for n in lens]
+    total = sum(per_row) + 3
+    order = torch.randperm(total, generator=g).tolist()
+    table = torch.full((len(lens), max(per_row) + 1), -1, dtype=torch.int32)
+    for r, n in enumerate(per_row):
+        table[r, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    k = torch.randn(total, page_size, d, generator=g)
+    v = torch.randn(total, page_size, dv, generator=g)
+    return k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("G, d, dv, page_size", [(1, 64, 64, 16), (2, 64, 32, 16), (4, 128, 128, 32),
+                                                 (8, 64, 64, 16)])
+def test_paged_decode_kernel_matches_the_reference(G, d, dv, page_size):
+    lens = [1, page_size, page_size + 1, 3 * page_size, 5 * page_size - 3]  # incl. a last page exactly full
+    k, v, table, seq_lens = paged_rows(lens, page_size, d, dv)
+    q = torch.randn(len(lens), G, d)
+    want = reference_paged_attention(q, k, v, table, seq_lens)
+    for split in (1, 2, 16):  # split-K over pages, merged by log-sum-exps
+        got = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, pages_per_split=split)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_kernel_bf16():
+    k, v, table, seq_lens = paged_rows([7, 40], 16, 64, 64)
+    q = torch.randn(2, 4, 64)
+    got = paged_attention_triton(q.bfloat16(), k.bfloat16(), v.bfloat16(), table, seq_lens, 0.125)
+    want = reference_paged_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), table,
+                                     seq_lens)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_the_public_ops_dispatch_to_triton(triton_backend):
+    k, v, table, seq_lens = paged_rows([5, 20], 16, 64, 64)
+    q = torch.randn(2, 2, 64)
+    torch.testing.assert_close(paged_attention(q, k, v, table, seq_lens), reference_paged_attention(q, k, v, table,
+                                                                                                     seq_lens))
+    new_k, new_v = torch.randn(2, 64), torch.randn(2, 64)
+    rows, pos = torch.tensor([1, 0]), torch.tensor([17, 2])
+    paged_write(k, v, table, rows, pos, new_k, new_v)  # an in-place overwrite (an eviction) and an entry
+    assert torch.equal(k[table[1, 1], 1], new_k[0]) and torch.equal(v[table[0, 0], 2], new_v[1])
+
+
+@pytest.mark.parametrize("ring", [1, 3])
+@pytest.mark.parametrize("pattern", ["append", "merge", "alternate", "random"])
+def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern):
+    rows_total, d, dv, page_size, steps = 4, 64, 32, 16, 20
+    g = torch.Generator().manual_seed(ring)
+    states = []
+    for use in ("torch", "triton"):
+        backend.set_backend(use)
+        try:
+            k_pages, v_pages = torch.zeros(16, page_size, d), torch.zeros(16, page_size, dv)
+            table = torch.arange(16, dtype=torch.int32).view(rows_total, 4)
+            lens = torch.ones(rows_total, dtype=torch.int32)
+            state = (torch.zeros(rows_total, ring, d), torch.zeros(rows_total, ring, dv),
+                     torch.zeros(rows_total, ring), torch.zeros(rows_total, dtype=torch.long))
+            g.manual_seed(ring)
+            rows = torch.tensor([2, 0, 3])
+            for t in range(steps):
+                append = {"append": torch.ones(3, dtype=torch.bool), "merge": torch.zeros(3, dtype=torch.bool),
+                          "alternate": torch.full((3,), t % 2 == 0),
+                          "random": torch.rand(3, generator=g) < 0.4}[pattern]
+                if t == 0:
+                    append = torch.ones(3, dtype=torch.bool)  # the first token opens a slot
+                    lens[rows] = 0
+                lens[rows] += append.int()
+                dmc_cache_update(k_pages, v_pages, table, lens, rows, append, torch.rand(3, generator=g) + 0.1,
+                                 torch.randn(3, d, generator=g), torch.randn(3, dv, generator=g), *state)
+            states.append((k_pages, v_pages, lens, *state))
+        finally:
+            backend.set_backend("auto")
+    for a, b in zip(*states):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
