@@ -15,8 +15,6 @@ released inference).
 
 from __future__ import annotations
 
-import torch
-
 
 def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> None:
     """``k [N, d]``, ``v [N, d_v]`` into entry ``positions [N]`` of ``rows [N]`` (pages already assigned)."""
