@@ -19,7 +19,8 @@ below, by :mod:`kernels.backend`: Triton for CUDA tensors, PyTorch elsewhere):
 
 - :func:`paged_attention`: decode attention. PyTorch: ``varlen.py`` (flattened tokens, segment
   softmax, cost proportional to the tokens cached); Triton: ``triton_kernels.py`` (split-K over pages,
-  G query heads per program, log-sum-exp merge).
+  G query heads per program, log-sum-exp merge); flash-attn's ``flash_attn_with_kvcache``
+  (``flash.py``) when it is installed and fits (CUDA, fp16/bf16, page size divisible by 256).
 - :func:`paged_write`: store entries at positions of rows (append; an eviction policy's in-place
   overwrite). PyTorch: ``writes.py``.
 - :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append) and the
@@ -38,9 +39,10 @@ from typing import Callable
 
 import torch
 
-from kernels.backend import use_triton
+from kernels.backend import get_backend, use_triton
 
 from ._checks import check_paged_inputs
+from .flash import flash_fits, paged_attention_flash
 from .reference import reference_paged_attention
 from .varlen import paged_attention_torch
 from .writes import dmc_cache_update_torch, paged_write_torch
@@ -86,6 +88,8 @@ def paged_attention(
     check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if get_backend() == "auto" and flash_fits(q, k_pages):
+        return paged_attention_flash(q, k_pages, v_pages, block_table, seq_lens, float(scale))
     return _impl("paged_attention", q.device)(q, k_pages, v_pages, block_table, seq_lens, float(scale))
 
 

@@ -1,0 +1,159 @@
+"""The ops of kernels/ timed by implementation: Triton vs PyTorch (CUDA), and the CPU paths.
+
+    python benchmarks/kernels.py                  # on a CUDA machine: Triton, PyTorch, SDPA, flash-attn
+    python benchmarks/kernels.py --peak-gbps 3350 # H100 SXM: report bandwidth as a fraction of peak
+
+On CUDA (bf16):
+- DMC training attention (forward + backward) at 4K/8K/16K tokens: Triton vs the portable PyTorch
+  path vs ``scaled_dot_product_attention`` (flash, causal) on the same shapes.
+- Partial accumulation (exact and window 12), forward + backward: Triton vs PyTorch.
+- Paged decode over per-(sequence, KV head) rows: Triton vs PyTorch vs flash-attn's
+  ``flash_attn_with_kvcache`` (page size 256, when installed), with the achieved memory bandwidth
+  (K/V bytes read per second) and its fraction of ``--peak-gbps``.
+On CPU (what runs here): the PyTorch paths' cost, and paged decode time growing with the tokens
+held (not with the block table's width).
+
+Every line is a ratio measured in this run; timings are medians of ``--repeats`` calls.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kernels import backend
+from kernels.dmc import dmc_attention, partial_accumulation
+from kernels.paged import paged_attention
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def with_backend(name: str, fn):
+    def run():
+        backend.set_backend(name)
+        try:
+            return fn()
+        finally:
+            backend.set_backend("auto")
+    return run
+
+
+def attention_case(n: int, device, dtype, heads=32, groups=8, d=128):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads, n, d, device=device, dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(1, groups, n, d, device=device, dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(1, groups, n, d, device=device, dtype=dtype, generator=g, requires_grad=True)
+    alpha = torch.rand(1, groups, n, device=device, generator=g).requires_grad_(True)
+    return q, k, v, alpha
+
+
+def fwd_bwd(fn):
+    def run():
+        out = fn()
+        out.float().sum().backward()
+    return run
+
+
+def paged_case(rows: int, tokens: int, width: int, page: int, device, dtype, g_heads=4, d=128):
+    pages = rows * (width // page)
+    k_pages = torch.randn(pages, page, d, device=device, dtype=dtype)
+    v_pages = torch.randn(pages, page, d, device=device, dtype=dtype)
+    table = torch.randperm(pages, device=device).view(rows, width // page).int()
+    lens = torch.full((rows,), tokens, device=device, dtype=torch.int32)
+    q = torch.randn(rows, g_heads, d, device=device, dtype=dtype)
+    return q, k_pages, v_pages, table, lens
+
+
+def cuda_report(args, device) -> None:
+    dtype = torch.bfloat16
+    print("DMC training attention, forward + backward (bf16, 32 query heads, 8 KV heads, d 128)")
+    print("tokens | triton ms | pytorch ms | sdpa-flash ms | triton / sdpa")
+    for n in (4096, 8192, 16384):
+        q, k, v, alpha = attention_case(n, device, dtype)
+        tri = timed(with_backend("triton", fwd_bwd(lambda: dmc_attention(q, k, v, alpha))), args.repeats, device)
+        pt = timed(with_backend("torch", fwd_bwd(lambda: dmc_attention(q, k, v, alpha))), args.repeats, device)
+        sdpa = timed(fwd_bwd(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True)), args.repeats, device)
+        print(f"{n:6d} | {tri * 1e3:9.2f} | {pt * 1e3:10.2f} | {sdpa * 1e3:13.2f} | {tri / sdpa:.2f}")
+    print("\npartial accumulation, forward + backward (bf16, 8 KV heads, d 128)")
+    print("tokens | mode | triton ms | pytorch ms | pytorch / triton")
+    for n in (4096, 16384):
+        _, k, v, alpha = attention_case(n, device, dtype)
+        omega = torch.rand_like(alpha).add_(0.1).requires_grad_(True)
+        for mode in ("exact", "window"):
+            def acc():
+                kt, vt = partial_accumulation(k, v, alpha, omega, mode=mode)
+                return kt + vt
+            tri = timed(with_backend("triton", fwd_bwd(acc)), args.repeats, device)
+            pt = timed(with_backend("torch", fwd_bwd(acc)), args.repeats, device)
+            print(f"{n:6d} | {mode:6s} | {tri * 1e3:9.2f} | {pt * 1e3:10.2f} | {pt / tri:.2f}")
+    print("\npaged decode (bf16, 1024 rows x 4 query heads, d 128, page 256)")
+    print("tokens/row | triton ms | pytorch ms | flash-attn ms | triton GB/s | of peak")
+    from kernels.paged.flash import flash_fits, paged_attention_flash
+
+    for tokens in (1024, 4096, 16384):
+        q, kp, vp, table, lens = paged_case(1024, tokens, 16384, 256, device, dtype)
+        tri = timed(with_backend("triton", lambda: paged_attention(q, kp, vp, table, lens)), args.repeats, device)
+        pt = timed(with_backend("torch", lambda: paged_attention(q, kp, vp, table, lens)), args.repeats, device)
+        fl = (timed(lambda: paged_attention_flash(q, kp, vp, table, lens, q.shape[-1] ** -0.5), args.repeats, device)
+              if flash_fits(q, kp) else float("nan"))
+        gbps = 2 * 1024 * tokens * 128 * 2 / tri / 1e9
+        peak = f"{gbps / args.peak_gbps:.0%}" if args.peak_gbps else "-"
+        print(f"{tokens:10d} | {tri * 1e3:9.3f} | {pt * 1e3:10.3f} | {fl * 1e3:13.3f} | {gbps:11.0f} | {peak}")
+
+
+def cpu_report(args) -> None:
+    device = torch.device("cpu")
+    print("No CUDA device: the PyTorch paths on CPU (fp32). Triton kernels run here only under the")
+    print("interpreter (tests), which says nothing about their speed.\n")
+    print("DMC training attention, forward + backward (8 query heads, 8 KV heads, d 32: base_tiny's shape)")
+    print("tokens | dmc_attention ms | sdpa causal ms | dmc / sdpa")
+    for n in (1024, 4096):
+        q, k, v, alpha = attention_case(n, device, torch.float32, heads=8, groups=8, d=32)
+        dmc = timed(fwd_bwd(lambda: dmc_attention(q, k, v, alpha)), args.repeats, device)
+        sdpa = timed(fwd_bwd(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)),
+                     args.repeats, device)
+        print(f"{n:6d} | {dmc * 1e3:16.1f} | {sdpa * 1e3:14.1f} | {dmc / sdpa:.2f}")
+    print("\npartial accumulation, forward + backward (8 KV heads, d 32)")
+    print("tokens | exact ms | window-12 ms")
+    for n in (1024, 4096):
+        _, k, v, alpha = attention_case(n, device, torch.float32, heads=8, groups=8, d=32)
+        omega = torch.rand_like(alpha).add_(0.1).requires_grad_(True)
+        ms = [timed(fwd_bwd(lambda m=mode: sum(partial_accumulation(k, v, alpha, omega, mode=m))), args.repeats,
+                    device) * 1e3 for mode in ("exact", "window")]
+        print(f"{n:6d} | {ms[0]:8.1f} | {ms[1]:12.1f}")
+    print("\npaged decode: 256 rows x 4 query heads, d 128, block table of 4096 tokens per row")
+    print("tokens held | ms | ms per 1K tokens held")
+    for tokens in (256, 1024, 4096):
+        q, kp, vp, table, lens = paged_case(256, tokens, 4096, 16, device, torch.float32)
+        t = timed(lambda: paged_attention(q, kp, vp, table, lens), args.repeats, device)
+        print(f"{tokens:11d} | {t * 1e3:6.2f} | {t * 1e3 / (tokens / 1024):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-gbps", type=float, default=0.0, help="device memory bandwidth (GB/s) for fractions")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if torch.cuda.is_available():
+        cuda_report(args, torch.device("cuda"))
+    else:
+        cpu_report(args)
+
+
+if __name__ == "__main__":
+    main()
