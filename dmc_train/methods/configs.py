@@ -27,7 +27,7 @@ class NoMethodConfig:
 
 DECISION_CHANNELS = ("last", "first")
 ACCUMULATIONS = ("exact", "window")
-ATTENTION_IMPLS = ("auto", "fused_cpu", "blocked")
+ATTENTION_IMPLS = ("auto", "fused_cpu", "blocked", "triton")
 CR_LOSS_FORMS = ("paper", "released")
 DMC_VARIANTS = ("dmc", "c", "hardc")
 
@@ -43,7 +43,7 @@ class DMCConfig:
     tau: float = 0.1  # Gumbel-sigmoid temperature in training
     accumulation: str = "exact"  # exact (full recurrence = inference) | window (paper, w tokens)
     window: int = 12
-    attention_impl: str = "auto"  # auto | fused_cpu | blocked (kernels.dmc.dmc_attention)
+    attention_impl: str = "auto"  # auto | fused_cpu | blocked | triton (kernels.dmc.dmc_attention)
     cr_loss: str = "paper"  # paper (Eq. 10, soft alphas summed over the model) | released (per-head hard, ST)
     variant: str = "dmc"  # dmc | c (DMC-C: Eq. 13 constraint) | hardc (decisions shared per layer)
     zero_out_steps: int = 0  # stage 1 (Eq. 12); 0 = skip (decision channel already unused)

@@ -10,9 +10,12 @@ Public ops (validate their inputs, then dispatch by device in one place, ``_accu
 - :func:`partial_accumulation`: Eq. 9, ``exact`` (chunked parallel scan) or ``window``.
 - :func:`dmc_attention`: the Fig. 3 bias in O(n) memory, custom autograd.
 
-Today the PyTorch paths run on every device: ``accumulation.py``, and for attention the fused CPU
-kernels (``attention_cpu.py``) on CPU, the portable blocked version (``attention_blocked.py``)
-elsewhere. A Triton path for CUDA tensors will be added beside them and chosen by the same dispatch.
+Implementations: the Triton kernels (``accumulation_triton.py``, ``attention_triton.py``) for CUDA
+tensors when Triton is installed (:mod:`kernels.backend`; ``DMC_KERNELS=torch|triton`` forces one
+side, Triton on CPU tensors under ``TRITON_INTERPRET=1``); otherwise the PyTorch paths:
+``accumulation.py``, and for attention the fused CPU kernels (``attention_cpu.py``) on CPU, the
+portable blocked version (``attention_blocked.py``) elsewhere. The Triton modules are imported on
+first use (Triton decides compiled vs interpreted when a kernel is defined).
 
 References (``reference.py``, re-exported here): :func:`reference_partial_accumulation` (token loop),
 :func:`dense_dmc_attention` / :func:`dmc_attention_bias` (full n x n bias),
@@ -28,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from kernels.backend import use_triton
+
 from ._checks import check_gqa, check_kv, check_per_head, check_positive_int
 from .accumulation import partial_accumulation_torch
 from .attention_blocked import BlockedDMCAttention
@@ -41,7 +46,7 @@ from .reference import (
 )
 
 MODES = ("exact", "window")
-IMPLS = ("auto", "fused_cpu", "blocked")
+IMPLS = ("auto", "fused_cpu", "blocked", "triton")
 
 __all__ = [
     "IMPLS",
@@ -62,23 +67,28 @@ __all__ = [
 
 
 def _accumulation_impl(device: torch.device) -> Callable:
-    """The implementation of :func:`partial_accumulation` for tensors on ``device``.
+    """The implementation of :func:`partial_accumulation` for tensors on ``device``: the Triton
+    kernels where :func:`kernels.backend.use_triton` says so, else the PyTorch scan."""
+    if use_triton(device):
+        from .accumulation_triton import partial_accumulation_triton
 
-    Today the PyTorch scan on every device; a Triton kernel for CUDA tensors will be chosen here.
-    """
+        return partial_accumulation_triton
     return partial_accumulation_torch
 
 
 def _attention_impl(device: torch.device, impl: str) -> str:
-    """Resolve ``impl`` of :func:`dmc_attention` for tensors on ``device`` to ``"fused_cpu"`` or ``"blocked"``.
+    """Resolve ``impl`` of :func:`dmc_attention` for tensors on ``device`` to ``"triton"``,
+    ``"fused_cpu"`` or ``"blocked"``.
 
-    ``"auto"``: the fused CPU kernels on CPU (when this torch has them), the portable blocked version
-    on every other device. A Triton path for CUDA tensors will be chosen here.
+    ``"auto"``: Triton where :func:`kernels.backend.use_triton` says so (CUDA tensors), else the fused
+    CPU kernels on CPU (when this torch has them), else the portable blocked version.
     """
     on_cpu = device.type == "cpu"
     if impl == "fused_cpu" and not (on_cpu and fused_cpu_available()):
         raise ValueError(f"impl='fused_cpu' needs CPU tensors and torch's fused CPU flash attention (got {device})")
     if impl == "auto":
+        if use_triton(device):
+            return "triton"
         return "fused_cpu" if on_cpu and fused_cpu_available() else "blocked"
     return impl
 
@@ -165,7 +175,9 @@ def dmc_attention(
         free_channel: a channel of q / k_tilde that takes no part in attention (DMC's decision
             channel): it is treated as 0 whatever it holds, and gets gradient 0. ``"fused_cpu"``
             carries the bias in it instead of appending a channel (faster).
-        impl: ``"auto"`` (``"fused_cpu"`` on CPU, else ``"blocked"``), ``"fused_cpu"`` or ``"blocked"``.
+        impl: ``"auto"`` (Triton on CUDA tensors, ``"fused_cpu"`` on CPU, else ``"blocked"``), ``"triton"``
+            (``attention_triton.py``: flash-attention-style tiles, forward and backward kernels),
+            ``"fused_cpu"`` or ``"blocked"``.
 
     Returns:
         ``out [b, h_q, n, d_v]`` in the dtype of ``q``; computed in float32 (float64 stays float64).
@@ -185,7 +197,12 @@ def dmc_attention(
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if _attention_impl(q.device, impl) == "fused_cpu":
+    chosen = _attention_impl(q.device, impl)
+    if chosen == "triton":
+        from .attention_triton import dmc_attention_triton
+
+        return dmc_attention_triton(q, k_tilde, v_tilde, alpha, float(scale), free_channel)
+    if chosen == "fused_cpu":
         return FusedCPUDMCAttention.apply(q, k_tilde, v_tilde, alpha, float(scale), free_channel)
     if free_channel is not None:
         q = q.index_fill(-1, torch.tensor([free_channel], device=q.device), 0)
