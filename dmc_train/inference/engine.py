@@ -23,6 +23,7 @@ A request's tokens do not depend on the others in the batch (per-request positio
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -34,7 +35,7 @@ import torch
 from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.inference.caches import CACHES, DMCCache, KVCache
 from dmc_train.inference.model import LlamaForInference
-from dmc_train.inference.pool import PagePool
+from dmc_train.inference.pool import PagePool, check_page_size
 from dmc_train.inference.sampling import SamplingParams, StopChecker, make_generator, sample
 
 
@@ -106,12 +107,13 @@ class Engine:
             raise InferenceError(f"max_batch={max_batch} must be >= 1")
         rows_per_seq = s.num_layers * s.num_kv_heads
         pages_per_row = -(-s.max_positions // page_size)
-        probe = PagePool(1, page_size, s.head_dim, 1, page_size, dtype=model.dtype)  # validates page_size
-        num_pages = max_batch * rows_per_seq * pages_per_row if kv_bytes is None else int(kv_bytes) // probe.page_bytes
+        check_page_size(page_size)
+        page_bytes = 2 * page_size * s.head_dim * model.dtype.itemsize  # K and V
+        num_pages = max_batch * rows_per_seq * pages_per_row if kv_bytes is None else int(kv_bytes) // page_bytes
         if num_pages < rows_per_seq:
-            raise InferenceError(f"kv_bytes={kv_bytes} holds {num_pages} pages of {probe.page_bytes} bytes, fewer "
+            raise InferenceError(f"kv_bytes={kv_bytes} holds {num_pages} pages of {page_bytes} bytes, fewer "
                                  f"than one page per KV head per layer ({rows_per_seq}); raise it to at least "
-                                 f"{rows_per_seq * probe.page_bytes}")
+                                 f"{rows_per_seq * page_bytes}")
         if tokenizer is not None and tokenizer.vocab_size > s.vocab_size:
             raise InferenceError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {s.vocab_size}; "
                                  f"use the tokenizer the model was trained with")
@@ -140,8 +142,6 @@ class Engine:
                         **kwargs) -> "Engine":
         """An engine for a checkpoint of this project; its tokenizer is ``tokenizer`` or the run's
         ``data.tokenizer`` when that file exists (else prompts must be token ids)."""
-        import os
-
         from dmc_train.data.tokenizer import load_tokenizer
 
         model, loaded = LlamaForInference.from_checkpoint(checkpoint, dtype)
