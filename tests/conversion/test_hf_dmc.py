@@ -85,7 +85,7 @@ def test_greedy_generate_and_cache_lengths_match_the_project(exported, hf_model)
     new = len(res["greedy"][0])
     out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
                             eos_token_id=None, return_dict_in_generate=True)
-    assert out.sequences[:, width:].tolist() == res["greedy"]
+    assert out.sequences[:, width:].tolist() == res["greedy"] == res["engine_greedy"]  # HF, project, engine
     no_cache = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
                                  eos_token_id=None, use_cache=False)  # the cache-free forward, left-padded
     assert torch.equal(no_cache, out.sequences)
@@ -97,7 +97,7 @@ def test_greedy_generate_and_cache_lengths_match_the_project(exported, hf_model)
     assert type(cache).__name__ == "DMCCache" and cache.get_seq_length() == width + new - 1  # the remote copy
     slots = cache.slot_counts()  # [layers, B, H_kv]
     for i in range(len(prompts)):  # Algorithm 1 on the project's hard decisions
-        assert slots[:, i].tolist() == res["slots"][i]
+        assert slots[:, i].tolist() == res["slots"][i] == res["engine_slots"][i]
     tokens = sum(len(p) + new - 1 for p in prompts) * slots.shape[0] * slots.shape[2]
     report = cache.compression()
     assert report["overall"] == pytest.approx(tokens / slots.sum().item())

@@ -1,6 +1,6 @@
 """Record what the project computes for a trained tiny DMC checkpoint: eval logits of a batch, greedy
 continuations of prompts (a full forward per step) and the number of cache slots per (layer, KV head)
-that Algorithm 1 keeps for each sequence (the test exports it with ``checkpoints_tools/export_hf.py``).
+that Algorithm 1 keeps for each sequence, and the inference engine's greedy tokens and slot counts (the test exports it with ``checkpoints_tools/export_hf.py``).
 
     python tests/scripts/hf_dmc_checks.py <out.json> <run_dir>
 """
@@ -47,6 +47,10 @@ def main(out_path: str, run_dir: str) -> None:
         stacked = torch.stack([alphas[i][0] for i in range(len(alphas))])  # [layers, groups, s]
         res["slots"].append((stacked == 0).sum(-1).tolist())
         res["merge_fraction"].append((stacked == 1).double().mean().item())
+    from dmc_train.inference import Engine, SamplingParams
+
+    outs = Engine.from_checkpoint(run_dir).generate(res["prompts"], SamplingParams(max_new_tokens=NEW_TOKENS))
+    res["engine_greedy"], res["engine_slots"] = [o.tokens for o in outs], [o.entries for o in outs]
     with open(out_path, "w") as f:
         json.dump(res, f)
     distributed.shutdown()
