@@ -17,9 +17,9 @@ pages in any order.
 Public ops (each validates its inputs, then picks an implementation in one place, ``_use_triton``
 below, by :mod:`kernels.backend`: Triton for CUDA tensors, PyTorch elsewhere):
 
-- :func:`paged_attention`: decode attention. PyTorch: ``varlen.py`` (flattened tokens, segment
-  softmax, cost proportional to the tokens cached); Triton: ``triton_kernels.py`` (split-K over pages,
-  G query heads per program, log-sum-exp merge); flash-attn's ``flash_attn_with_kvcache``
+- :func:`paged_attention`: decode attention. PyTorch: ``varlen.py`` (rows grouped by page count, one
+  batched matmul per group: cost ~ the tokens held plus a page per row); Triton: ``triton_kernels.py``
+  (split-K over pages, G query heads per program, log-sum-exp merge); flash-attn's ``flash_attn_with_kvcache``
   (``flash.py``) when it is installed and fits (CUDA, fp16/bf16, page size divisible by 256).
 - :func:`paged_write`: store entries at positions of rows (append; an eviction policy's in-place
   overwrite). PyTorch: ``writes.py``.

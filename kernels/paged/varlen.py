@@ -1,10 +1,11 @@
-"""Paged decode attention in plain tensor ops over the flattened cached tokens (any device).
+"""Paged decode attention in plain tensor ops (any device; the path on CPU).
 
-All rows' tokens are laid end to end, ``T = sum(seq_lens)`` of them: token t belongs to row
-``row[t]`` at in-row position ``pos[t]``, and its key / value is gathered from the pages. Scores
-``[T, G]`` go through a segment softmax per row (segment max, exp, segment sum) and the weighted values
-are summed per row. Time and memory are O(T G (d + d_v)), independent of ``max_pages`` and of how
-uneven the rows are (no padding to the longest row).
+Rows are grouped by the number of pages they use. Each group's pages are gathered into
+``[rows, pages * page_size, d]`` and attended with one batched matmul, masking the unused tail of the
+last page. The work is therefore the tokens the rows hold plus at most one page per row: it does not
+grow with the block table's width (the model's maximum length) nor with the longest row of the batch
+(a DMC head that kept 10 slots costs 10, not the 100 of its neighbour). The loop runs over distinct
+page counts, at most ``max_pages``.
 """
 
 from __future__ import annotations
@@ -26,26 +27,20 @@ def paged_attention_torch(
 
     Written for inference: it runs under autograd (plain tensor ops) but its gradients are not tested.
     """
-    R, G, _ = q.shape
+    R, G, d = q.shape
     page_size, dv = k_pages.shape[1], v_pages.shape[2]
     wd = work_dtype(q)
-    device = q.device
     lens = seq_lens.long()
-    T = int(lens.sum())
-    rows = torch.arange(R, device=device)
-    row = torch.repeat_interleave(rows, lens, output_size=T)  # [T]
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(T, device=device) - starts[row]  # [T]
-    page = block_table[row, pos // page_size].long()
-    slot = pos % page_size
-    k = k_pages[page, slot].to(wd)  # [T, d]
-    v = v_pages[page, slot].to(wd)  # [T, d_v]
-
-    scores = (q.to(wd)[row] @ k[:, :, None]).squeeze(-1) * scale  # [T, G]
-    row_g = row[:, None].expand(T, G)
-    m = torch.full((R, G), float("-inf"), dtype=wd, device=device)
-    m = m.scatter_reduce(0, row_g, scores, "amax", include_self=True)  # [R, G]
-    p = torch.exp(scores - m[row])  # [T, G], the row's max token contributes exp(0) = 1
-    denom = torch.zeros(R, G, dtype=wd, device=device).index_add_(0, row, p)  # >= 1 (seq_lens >= 1)
-    out = torch.zeros(R, G, dv, dtype=wd, device=device).index_add_(0, row, p[:, :, None] * v[:, None, :])
-    return (out / denom[:, :, None]).to(q.dtype)
+    used = (lens + page_size - 1) // page_size
+    out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
+    for n_pages in torch.unique(used).tolist():
+        rows = (used == n_pages).nonzero().squeeze(1)
+        pages = block_table[rows, :n_pages].long()  # [r, n_pages]
+        width = n_pages * page_size
+        k = k_pages[pages].reshape(len(rows), width, d).to(wd)
+        v = v_pages[pages].reshape(len(rows), width, dv).to(wd)
+        scores = (q[rows].to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
+        tail = torch.arange(width, device=q.device) >= lens[rows, None]  # past the row's last entry
+        scores = scores.masked_fill(tail[:, None, :], float("-inf"))
+        out[rows] = (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
+    return out

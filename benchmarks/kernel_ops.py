@@ -1,7 +1,7 @@
 """The ops of kernels/ timed by implementation: Triton vs PyTorch (CUDA), and the CPU paths.
 
-    python benchmarks/kernels.py                  # on a CUDA machine: Triton, PyTorch, SDPA, flash-attn
-    python benchmarks/kernels.py --peak-gbps 3350 # H100 SXM: report bandwidth as a fraction of peak
+    python benchmarks/kernel_ops.py                  # on a CUDA machine: Triton, PyTorch, SDPA, flash-attn
+    python benchmarks/kernel_ops.py --peak-gbps 3350 # H100 SXM: report bandwidth as a fraction of peak
 
 On CUDA (bf16):
 - DMC training attention (forward + backward) at 4K/8K/16K tokens: Triton vs the portable PyTorch
