@@ -1,6 +1,7 @@
 """Record what the project computes for a trained tiny DMC checkpoint: eval logits of a batch, greedy
 continuations of prompts (a full forward per step) and the number of cache slots per (layer, KV head)
-that Algorithm 1 keeps for each sequence, and the inference engine's greedy tokens and slot counts (the test exports it with ``checkpoints_tools/export_hf.py``).
+that Algorithm 1 keeps for each sequence, and the inference engine's greedy tokens and slot counts
+(the test exports it with ``checkpoints_tools/export_hf.py``).
 
     python tests/scripts/hf_dmc_checks.py <out.json> <run_dir>
 """
