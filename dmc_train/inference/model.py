@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dmc_train.config import kv_groups
+from dmc_train.distributed import without_cpu_compat_mode
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.methods.configs import DMCSettings
@@ -148,6 +149,10 @@ class LlamaForInference:
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Logits ``[b, n, V]`` of ``tokens [b, n]`` at ``positions [b, n]``; ``attend(layer, q, k, v, info)``
         returns ``[b, H, n, d_v]``."""
+        with without_cpu_compat_mode():  # no megatron code runs here
+            return self._layers(tokens, positions, attend)
+
+    def _layers(self, tokens, positions, attend) -> torch.Tensor:
         s = self.shape
         b, n = tokens.shape
         d = s.head_dim
