@@ -204,7 +204,8 @@ def main() -> None:
         print(f"  {name:5s} " + " ".join(f"{c}:{v * 1e3:.2f}" for c, v in r["batch"]["latency"].items()))
     print(f"\npaged decode op: 64 rows, block table of {args.paged_width} tokens (seconds per call)")
     print("tokens held | paged | padded to the table | padded / paged")
-    for n, paged, padded in paged_cost(64, args.paged_width, [128, 512, 2048, args.paged_width]):
+    w = args.paged_width
+    for n, paged, padded in paged_cost(64, w, [w // 32, w // 8, w // 2, w]):
         print(f"{n:11d} | {paged:.5f} | {padded:.5f} | {padded / paged:.2f}")
     plot(results, args.out)
     print(f"\nwrote {args.out}")
