@@ -55,6 +55,11 @@ def read_launch_env() -> LaunchEnv:
     return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
 
 
+def scheduler_job_id() -> str | None:
+    """The SLURM job ID (kept across requeues), or None outside SLURM."""
+    return os.environ.get("SLURM_JOB_ID")
+
+
 def _free_port() -> int:
     import socket
 

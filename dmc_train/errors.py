@@ -19,6 +19,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the checkpoint, the cause and the fix."""
 
 
+class RunDirError(UserError, RuntimeError):
+    """A run directory cannot be used: another live run holds its lock, or a fresh start would overwrite
+    its checkpoints."""
+
+
 class DataError(UserError, ValueError):
     """Bad input, missing or inconsistent data files, or a tokenizer that does not fit."""
 
