@@ -9,6 +9,7 @@ method's own settings (the ``method`` node) are defined and checked with the met
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -137,6 +138,7 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    check_ranges(cfg)
     groups = kv_groups(m)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
@@ -163,6 +165,28 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
     return layout
+
+
+_MIN_VALUES = {
+    "train.micro_batch_size": 1,
+    "train.log_interval": 1,
+    "train.max_nonfinite_steps": 1,
+    "train.eval_interval": 0,
+    "checkpoint.save_interval": 0,
+}
+
+
+def check_ranges(cfg: Any) -> None:
+    """Numeric fields with a lower bound, and a finite positive learning rate; raise ConfigError (one line)."""
+    lr = cfg.optim.lr
+    if not math.isfinite(lr) or lr <= 0:
+        raise ConfigError(f"optim.lr={lr} is not allowed; use a finite learning rate > 0 (e.g. 3e-4)")
+    for key, low in _MIN_VALUES.items():
+        value = OmegaConf.select(cfg, key)
+        if value < low:
+            meaning = " (0 = never)" if low == 0 and key != "checkpoint.save_interval" else (
+                " (0 = only at the end)" if low == 0 else "")
+            raise ConfigError(f"{key}={value} is not allowed; use an integer >= {low}{meaning}")
 
 
 def kv_groups(model: Any) -> int:

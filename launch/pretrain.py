@@ -26,7 +26,7 @@ def train_app(cfg) -> None:
 
 
 def main() -> None:
-    cli.hydra_main(train_app)
+    cli.hydra_main(train_app, lock_run_dir=True)
 
 
 if __name__ == "__main__":

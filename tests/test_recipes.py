@@ -65,6 +65,15 @@ def test_unknown_key_is_rejected():
     (["train.precision=fp8"], "train.precision='fp8' is not one of fp32, bf16, fp16"),
     (["train.global_batch_size=7"], "global_batch_size=7 is not divisible"),
     (["model.num_query_groups=3"], "num_query_groups=3 does not divide"),
+    (["optim.lr=-0.001"], "optim.lr=-0.001 is not allowed; use a finite learning rate > 0"),
+    (["optim.lr=0"], "optim.lr=0.0 is not allowed; use a finite learning rate > 0"),
+    (["optim.lr=nan"], "optim.lr=nan is not allowed; use a finite learning rate > 0"),
+    (["optim.lr=inf"], "optim.lr=inf is not allowed; use a finite learning rate > 0"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size=0 is not allowed; use an integer >= 1"),
+    (["train.log_interval=0"], "train.log_interval=0 is not allowed; use an integer >= 1"),
+    (["checkpoint.save_interval=-1"], "checkpoint.save_interval=-1 is not allowed; use an integer >= 0"),
+    (["train.eval_interval=-5"], "train.eval_interval=-5 is not allowed; use an integer >= 0"),
+    (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps=0 is not allowed; use an integer >= 1"),
 ])
 def test_invalid_values_name_the_field(override, message):
     cfg = load_config(["+recipe=tiny_pretrain", *override])

@@ -23,7 +23,7 @@ import json
 import os
 import random
 import shutil
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -55,11 +55,49 @@ def iter_name(step: int) -> str:
 
 
 def read_latest(root: str) -> Optional[str]:
+    """The checkpoint ``root/latest`` names, or None if there is no pointer. A pointer that is not the
+    name of a complete checkpoint in ``root`` (unreadable, empty, a path outside ``root``, an incomplete or
+    missing directory) raises CheckpointError naming the newest complete checkpoint to use instead."""
     path = os.path.join(root, LATEST)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return os.path.join(root, f.read().strip())
+    name = _pointer_target(root)
+    if name is None:
+        newest = newest_complete(root)
+        fix = (f"resume from the newest complete checkpoint with checkpoint.resume={newest}" if newest
+               else "no complete checkpoint exists; delete it to start over")
+        raise CheckpointError(f"checkpoint pointer {path} is invalid (it does not name a complete checkpoint in "
+                              f"{root}); {fix}")
+    return os.path.join(root, name)
+
+
+def _pointer_target(root: str) -> Optional[str]:
+    """The name in ``root/latest`` if it is a complete checkpoint directly inside ``root``, else None."""
+    try:
+        with open(os.path.join(root, LATEST), "rb") as f:
+            name = f.read(4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not name.startswith("iter_") or os.path.basename(name) != name or not _is_complete(root, name):
+        return None
+    return name
+
+
+def _is_complete(root: str, name: str) -> bool:
+    return name.startswith("iter_") and "." not in name and os.path.isfile(os.path.join(root, name, META))
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Names of the complete checkpoints (``iter_N`` with ``meta.json``; not ``*.tmp``) in ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if _is_complete(root, d))
+
+
+def newest_complete(root: str) -> Optional[str]:
+    """Path of the newest complete checkpoint in ``root`` found by scanning ``iter_*``, or None."""
+    names = complete_checkpoints(root)
+    return os.path.join(root, names[-1]) if names else None
 
 
 def read_meta(ckpt: str) -> dict:
@@ -76,20 +114,36 @@ def read_meta(ckpt: str) -> dict:
         raise CheckpointError(f"checkpoint {ckpt} has a corrupt {META} ({e}); resume from an older checkpoint")
 
 
-def resolve_resume(cfg: Any) -> Optional[tuple[str, dict]]:
+def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tuple[str, dict]]:
     """The checkpoint to start from, with its metadata checked against the config, or None.
 
-    Runs before any model is built so a mismatch fails fast.
+    ``auto``: the checkpoint ``latest`` names; if ``latest`` is missing or invalid, the newest complete
+    ``iter_*`` (said in one ``log`` line), so a run never trains over its own checkpoints. ``none``: a
+    fresh start, refused if the run directory already holds complete checkpoints. Runs before any model
+    is built so a mismatch fails fast.
     """
     resume = cfg.checkpoint.resume
+    root = checkpoint_root(cfg)
     if resume == "none":
+        newest = newest_complete(root)
+        if newest is not None:
+            raise CheckpointError(
+                f"run_dir {cfg.run_dir} already holds checkpoints (newest {os.path.basename(newest)}) that "
+                f"checkpoint.resume=none would overwrite; use checkpoint.resume=auto to continue, another "
+                f"run_name / run_dir to start over, or delete {root}")
         return None
     if resume == "auto":
-        ckpt = read_latest(checkpoint_root(cfg))
-        if ckpt is None:
-            return None
+        ckpt = _pointer_target(root)
+        if ckpt is not None:
+            ckpt = os.path.join(root, ckpt)
+        else:
+            ckpt = newest_complete(root)
+            if ckpt is None:
+                return None
+            log(f"checkpoints/{LATEST} is missing or invalid; resuming from the newest complete checkpoint "
+                f"{os.path.basename(ckpt)}")
     else:
-        ckpt = resume
+        ckpt = find_checkpoint(resume)
     meta = read_meta(ckpt)
     check_model_shape(ckpt, meta, cfg)
     saved = meta["layout"]
@@ -262,8 +316,7 @@ def replace_dir(tmp: str, final: str) -> None:
 def _prune(root: str, keep_last: int) -> None:
     if keep_last <= 0:
         return
-    complete = sorted(d for d in os.listdir(root)
-                      if d.startswith("iter_") and "." not in d and os.path.exists(os.path.join(root, d, META)))
+    complete = complete_checkpoints(root)
     for name in complete[:-keep_last]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 

@@ -27,7 +27,7 @@ from dmc_train.models.llama import build_model
 from dmc_train.models.shape import count_parameters
 from dmc_train.recipes import validate
 from dmc_train.training import checkpointing as ckpt_mod
-from dmc_train.training import hf_loading
+from dmc_train.training import hf_loading, run_lock
 from dmc_train.training.forward import batch_losses, evaluate_loss, lm_forward_step, reduce_losses
 from dmc_train.training.logging import RunLogger
 from dmc_train.training.preemption import PreemptionHandler
@@ -45,14 +45,19 @@ def total_steps(cfg: Any) -> int:
 class Trainer:
     """Holds the model chunks, optimizer, scheduler and data position of one run."""
 
-    def __init__(self, cfg: Any, method: Optional[Method] = None):
+    def __init__(self, cfg: Any, method: Optional[Method] = None, lock_run_dir: bool = False):
+        """``lock_run_dir``: rank 0 takes ``run_dir``'s lock (:mod:`run_lock`) before anything reads or
+        writes checkpoints; the caller releases it (``run_lock.release``)."""
         validate(cfg, distributed.read_launch_env().world_size)
         self.env = distributed.initialize(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline,
                                           cfg.train.seed, cfg.parallel.timeout_minutes)
         cfg.run_dir = distributed.broadcast_object(cfg.run_dir)  # e.g. a ${now:...} run dir: rank 0's wins
+        if lock_run_dir:
+            run_lock.hold(cfg.run_dir)
         self.cfg = cfg
         self.method = method or build_method(cfg)
-        self.resume = ckpt_mod.resolve_resume(cfg)  # before building: mismatches fail fast
+        # before building: mismatches fail fast
+        self.resume = ckpt_mod.resolve_resume(cfg, log=lambda m: distributed.is_rank0() and print(m, flush=True))
         if self.resume is None and cfg.checkpoint.init_from and hf_loading.is_hf_dir(cfg.checkpoint.init_from):
             hf_loading.check_hf_model_shape(cfg.checkpoint.init_from, cfg)
         elif self.resume is None and cfg.checkpoint.init_from:
@@ -146,8 +151,18 @@ def startup_seconds() -> float:
 
 
 def train(cfg: Any, method: Optional[Method] = None) -> dict:
-    """Train until the step/token budget; returns a summary (final losses, steps, checkpoint)."""
-    trainer = Trainer(cfg, method)
+    """Train until the step/token budget; returns a summary (final losses, steps, checkpoint).
+
+    The run directory's lock is held from before the first checkpoint is read until the end, normal
+    or not."""
+    try:
+        return _train(cfg, method)
+    finally:
+        run_lock.release(cfg.run_dir)
+
+
+def _train(cfg: Any, method: Optional[Method]) -> dict:
+    trainer = Trainer(cfg, method, lock_run_dir=True)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
     log = RunLogger(cfg.run_dir, trainer.total_steps, tokens_per_step, cfg, cfg.logging.progress, trainer.step)
     if distributed.is_rank0():

@@ -56,10 +56,11 @@ def dmc_settings_from_method(method: Any, head_dim: int, step: int | None = None
     :func:`dmc_train.methods.configs.dmc_settings`. Fixed Memory Pooling is refused (its decisions are
     not in the weights) with a one-line ConfigError.
     """
-    settings = dmc_settings(method, head_dim, step)
-    if settings.pool is not None:
+    name = method.get("name") if hasattr(method, "get") else getattr(method, "name", None)
+    if name == "fixed_pooling":
         raise ConfigError("method.name='fixed_pooling': only DMC models (method=dmc) can be exported with "
                           "DMC attention")
+    settings = dmc_settings(method, head_dim, step)
     return {
         "dmc_decision_channel": settings.channel,
         "dmc_init_offset": settings.init_offset,
