@@ -115,6 +115,7 @@ class DMCSettings:
     window: int = 12
     shared: bool = False
     pool: int | None = None
+    rope_order: str = "post"  # post: rotated keys accumulated; pre: raw keys accumulated, rotated at the newest token
 
 
 def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSettings:
@@ -145,4 +146,5 @@ def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSett
         window=int(field("window", 12)),
         shared=field("variant", "dmc") == "hardc",
         pool=int(field("target_cr")) if pooling else None,
+        rope_order=str(field("rope_order", "post")),
     )
