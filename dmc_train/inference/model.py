@@ -11,13 +11,15 @@ training model's on the same checkpoint (vanilla, and DMC with hard decisions).
     logits = model.decode(cache, seq_ids, tokens, positions) # [B], [B] -> [B, V], one token per sequence
 
 Per layer: RMSNorm -> fused q/k/v projection -> (DMC: decisions from the pre-RoPE decision channel,
-which is then zeroed) -> RoPE (rotate-half, as megatron-core and HF) -> the cache's attention ->
+which is then zeroed) -> RoPE (rotate-half, as megatron-core and HF; for DMC ``rope_order=pre`` the
+keys reach the cache un-rotated and it rotates the accumulated ones) -> the cache's attention ->
 output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: hidden ``[b, n, hidden]``,
 heads ``[b, H, n, d]``; decisions ``[b, H_kv, n]``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -65,11 +67,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [b, h, n, d]`` at ``positions [b, n]`` (angles in fp32, as megatron-core)."""
+    """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it);
+    angles in fp32, as megatron-core."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    freqs = positions.float()[..., None] * inv_freq  # [b, n, d/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    freqs = positions.float()[..., None] * inv_freq  # [..., d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -104,6 +107,7 @@ class LlamaForInference:
                 "norm_in": w(p + "input_layernorm.weight"),
                 "norm_mlp": w(p + "post_attention_layernorm.weight"),
             })
+        self.rotate_in_cache = dmc is not None and dmc.rope_order == "pre"
         self.keep = None
         if dmc is not None and dmc.channel is not None:
             self.keep = torch.ones(s.head_dim, dtype=dtype)
@@ -166,7 +170,11 @@ class LlamaForInference:
                 info.alpha, info.omega = self._decisions(q, k, positions)
             if self.keep is not None:  # zeroed before RoPE (as training) and in q after (channel unused)
                 q, k = q * self.keep, k * self.keep
-            q, k = rope(q, positions, s.rope_base), rope(k, positions, s.rope_base)
+            q = rope(q, positions[:, None], s.rope_base)
+            if self.rotate_in_cache:  # DMC rope_order=pre: the cache rotates the accumulated keys
+                info.rotate = functools.partial(rope, base=s.rope_base)
+            else:
+                k = rope(k, positions[:, None], s.rope_base)
             if self.keep is not None:
                 q = q * self.keep
             out = attend(i, q, k, v, info)
@@ -184,7 +192,7 @@ class LlamaForInference:
         def attend(layer, q, k, v, info):
             if self.dmc is None:
                 return causal_attention(q, k, v, self.scale)
-            return teacher_forced_dmc(q, k, v, info.alpha, info.omega, self.dmc, self.scale)[0]
+            return teacher_forced_dmc(q, k, v, info, self.dmc, self.scale)[0]
 
         return self._run(tokens, positions, attend)
 
@@ -202,8 +210,8 @@ class LlamaForInference:
         self.check_cache_type(cache)
 
         def attend(layer, q, k, v, info):
-            info = TokenInfo(info.positions[:, 0],
-                             *(None if t is None else t[..., 0] for t in (info.alpha, info.omega)))
+            alpha, omega = (None if t is None else t[..., 0] for t in (info.alpha, info.omega))
+            info = TokenInfo(info.positions[:, 0], alpha, omega, rotate=info.rotate)
             return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
 
         return self._run(tokens[:, None], positions[:, None], attend)[:, 0]

@@ -14,6 +14,9 @@ VARIANTS = {
     "dmc_exact": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0),
     "dmc_window": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, accumulation="window", window=3),
     "dmc_hardc": DMCSettings(channel=0, init_offset=0.0, shared=True),
+    "dmc_pre": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre"),
+    "dmc_pre_window": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre",
+                                  accumulation="window", window=3),
     "fixed_pooling": DMCSettings(channel=None, pool=3),
 }
 

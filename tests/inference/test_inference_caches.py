@@ -9,7 +9,7 @@ from dmc_train.inference.caches import DMCCache, FullCache
 from dmc_train.inference.pool import PagePool
 from tests.inference.conftest import SHAPE
 
-DMC_VARIANTS = ["dmc_exact", "dmc_window", "dmc_hardc", "fixed_pooling"]
+DMC_VARIANTS = ["dmc_exact", "dmc_window", "dmc_hardc", "dmc_pre", "dmc_pre_window", "fixed_pooling"]
 
 
 def new_cache(model, num_pages=256, page_size=16):
@@ -122,3 +122,32 @@ def test_bf16_pages_and_logits(make_model, variant):
     assert got.dtype == torch.bfloat16 and cache.pool.k_pages.dtype == torch.bfloat16
     # bf16 rounding differs between the paths (SDPA in bf16 at prefill, fp32 paged attention at decode)
     torch.testing.assert_close(got.float(), model.forward(seq[None])[0].float(), rtol=0, atol=0.15)
+
+
+def test_pre_rope_order_rotates_accumulated_raw_keys(make_model):
+    """rope_order=pre is a different model: the same weights give other logits than post, and its
+    closed slots are raw segment averages rotated at the segment's last position."""
+    from dmc_train.inference.model import rope
+
+    seq = torch.randint(0, SHAPE.vocab_size, (20,), generator=torch.Generator().manual_seed(6))
+    pre, post = make_model("dmc_pre"), make_model("dmc_exact")
+    assert not torch.allclose(pre.forward(seq[None]), post.forward(seq[None]), atol=1e-3)
+    cache = new_cache(pre)
+    raw, decisions = [], capture_decisions(pre)
+    original = cache.prefill
+
+    def spy(layer, seq_id, q, k, v, info):
+        raw.append((k[0], info.omega[0]))
+        return original(layer, seq_id, q, k, v, info)
+
+    cache.prefill = spy
+    teacher_forced_decode(pre, cache, [seq], prompt_lens=[20])
+    k, omega = raw[0]  # layer 0: raw keys [H_kv, n, d]
+    alpha = decisions[0][0]  # [H_kv, n]
+    slots, _ = cache.pool.read(int(cache.rows[0][0, 0]))
+    starts = [0] + [t for t in range(1, 20) if alpha[0, t] == 0]
+    ends = [s - 1 for s in starts[1:]] + [19]
+    for i, (a, b) in enumerate(zip(starts, ends)):
+        w = omega[0, a: b + 1, None]
+        mean = (w * k[0, a: b + 1]).sum(0) / w.sum()
+        torch.testing.assert_close(slots[i], rope(mean, torch.tensor(b), SHAPE.rope_base), rtol=1e-5, atol=1e-5)

@@ -9,7 +9,8 @@ low-rank state). The model calls, per layer:
 
 Layouts: prefill ``q [1, H, n, d]``, ``k [1, H_kv, n, d]``, ``v [1, H_kv, n, d_v]`` -> ``[1, H, n, d_v]``;
 decode ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``. q and k have RoPE
-applied. GQA: query head j reads KV head ``j // G``, ``G = H / H_kv``.
+applied (keys un-rotated with ``info.rotate`` set: DMC ``rope_order=pre``). GQA: query head j reads
+KV head ``j // G``, ``G = H / H_kv``.
 
 Storage: each (sequence, layer, KV head) is one row of the shared :class:`~dmc_train.inference.pool.PagePool`
 (``self.rows[seq_id]`` is ``[layers, H_kv]``); a cache may also keep a constant-size state per row
@@ -24,7 +25,7 @@ Subclasses for the later issues:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,14 +37,16 @@ from dmc_train.inference.pool import PagePool
 class TokenInfo:
     """Per-token facts the model computed beside q, k, v.
 
-    ``positions``: token positions (prefill ``[n]``, decode ``[B]``). ``alpha`` / ``omega``: DMC's hard
-    decisions (1 = merge into the open slot) and importances, prefill ``[1, H_kv, n]``, decode
-    ``[B, H_kv]``, fp32; None for models without DMC.
+    ``positions``: token positions (prefill ``[1, n]``, decode ``[B]``). ``alpha`` / ``omega``: DMC's
+    hard decisions (1 = merge into the open slot) and importances, prefill ``[1, H_kv, n]``, decode
+    ``[B, H_kv]``, fp32; None for models without DMC. ``rotate(x [..., d], positions)``: set when the
+    keys arrive un-rotated (DMC ``rope_order=pre``) and the cache must rotate what it stores.
     """
 
     positions: torch.Tensor
     alpha: Optional[torch.Tensor] = None
     omega: Optional[torch.Tensor] = None
+    rotate: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
 
 class KVCache:

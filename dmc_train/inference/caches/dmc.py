@@ -11,7 +11,9 @@ the pages each row keeps the open slot's exact running state in fp32:
   drops its oldest token from the sums — inference then equals windowed training.
 
 Decode (one token per sequence): hard decision ``alpha = 1`` merges into the open slot, ``0`` closes
-it and appends a new one. **Parallel prefill**: the decisions and the accumulation for the whole
+it and appends a new one. **RoPE order** ``pre`` (the authors' order): the keys arrive raw, the open
+slot's state stays raw and its page entry is its rotation at the current position; a closed slot
+keeps the rotation at its segment's last token. **Parallel prefill**: the decisions and the accumulation for the whole
 prompt in one pass (:func:`teacher_forced_dmc`, the chunked scan of ``kernels.dmc``), then only the
 closed slots and the open slot's state are written — never token by token.
 """
@@ -27,15 +29,19 @@ from kernels.dmc import dmc_attention, partial_accumulation
 from kernels.paged import dmc_cache_update
 
 
-def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor,
-                       omega: torch.Tensor, settings: DMCSettings, scale: float):
+def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo, settings: DMCSettings,
+                       scale: float):
     """DMC attention over a whole sequence with hard decisions (Fig. 3 = Algorithm 1's visibility).
 
-    ``q [b, H, n, d]``, ``k/v [b, H_kv, n, d]``, ``alpha/omega [b, H_kv, n]`` (alpha[..., 0] = 0).
-    Returns ``(out [b, H, n, d_v], k~ [b, H_kv, n, d], v~)``: the outputs and every position's state.
+    ``q [b, H, n, d]``, ``k/v [b, H_kv, n, d]``, ``info.alpha/omega [b, H_kv, n]`` (alpha[..., 0] = 0),
+    ``info.positions [b, n]``. With ``info.rotate`` (``rope_order=pre``) the keys are raw: the
+    accumulated key of position t is rotated at t. Returns ``(out [b, H, n, d_v], k~ [b, H_kv, n, d], v~)``:
+    the outputs and every position's state (keys rotated).
     """
-    k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=settings.accumulation, window=settings.window)
-    out = dmc_attention(q, k_t, v_t, alpha, scale=scale, free_channel=settings.channel)
+    k_t, v_t = partial_accumulation(k, v, info.alpha, info.omega, mode=settings.accumulation, window=settings.window)
+    if info.rotate is not None:
+        k_t = info.rotate(k_t, info.positions[:, None])
+    out = dmc_attention(q, k_t, v_t, info.alpha, scale=scale, free_channel=settings.channel)
     return out, k_t, v_t
 
 
@@ -60,7 +66,7 @@ class DMCCache(KVCache):
         return per_row * self.rows[seq_id].numel()
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
-        out, k_t, v_t = teacher_forced_dmc(q, k, v, info.alpha, info.omega, self.settings, self.scale)
+        out, k_t, v_t = teacher_forced_dmc(q, k, v, info, self.settings, self.scale)
         rows = self.rows[seq_id][layer]
         alpha, omega = info.alpha[0], info.omega[0]  # [H_kv, n]
         closes = torch.ones_like(alpha, dtype=torch.bool)  # state j is a slot iff token j + 1 appends (or j is last)
@@ -97,4 +103,9 @@ class DMCCache(KVCache):
         dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
                          append, info.omega.reshape(-1), k.reshape(len(rows), -1), v.reshape(len(rows), -1),
                          self.open_k, self.open_v, self.open_w, self.open_tokens)
+        if info.rotate is not None:  # pre: the open slot's raw average, rotated at the current position
+            z = self.open_w[rows].sum(-1, keepdim=True)
+            positions = info.positions.repeat_interleave(self.num_kv_heads)
+            self.pool.write(rows, self.pool.seq_lens[rows] - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
+                            self.open_v[rows].sum(1) / z)
         return self.attend_paged(rows.view(len(seq_ids), -1), q)
