@@ -139,6 +139,7 @@ def test_schedule_stages_and_finetune_lr():
     (["method=fixed_pooling", "method.target_cr=2.5"], "must be an integer"),
     (["method.variant=soft"], "method.variant='soft' is not one of dmc, c, hardc"),
     (["method.cr_loss=mine"], "method.cr_loss='mine' is not one of paper, released"),
+    (["method.rope_order=foo"], "method.rope_order='foo' is not one of post, pre"),
     (["method.finetune_steps=5"], "set optim.schedule=constant as the DMC recipes do"),
 ])
 def test_invalid_dmc_settings_fail_in_one_line(overrides, message):

@@ -1,5 +1,6 @@
 """DMC training end to end (one process): schedule, CR loss, checkpoint metadata and heatmaps, exact
-resume, zeroed decision rows, the fixed-pooling ablation (tests/scripts/dmc_checks.py)."""
+resume, zeroed decision rows, the fixed-pooling ablation, method.rope_order=pre against its reference
+(tests/scripts/dmc_checks.py)."""
 
 import pytest
 
@@ -47,3 +48,30 @@ def test_fixed_pooling_ablation_trains(res):
     pool = res["fixed_pool"]
     assert pool["cr"] == [2.0, 2.0, 2.0]
     assert pool["val_loss"][-1] is not None and 5 < pool["val_loss"][-1] < 7
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_rope_pre_attention_equals_reference(res, mode):
+    """The DMC attention module with rope_order=pre equals kernels.dmc.reference_pre_rope_dmc_attention
+    on the same weights and inputs (eval: hard decisions; train: soft, fixed Gumbel noise), and is a
+    different model from rope_order=post (same decisions, different outputs)."""
+    got = res["rope_pre"][mode]
+    assert got["accumulated"] and got["same_decisions"]
+    assert got["hard"] == (mode == "eval") and 0.2 < got["appends"] < 0.8  # decisions vary
+    assert got["scale"] > 0.5 and got["ref"] < 1e-5
+    assert got["post"] > 1e-2
+
+
+def test_rope_pre_fixed_pooling_and_zero_out(res):
+    fixed, zero_out = res["rope_pre"]["fixed"], res["rope_pre"]["zero_out"]
+    assert fixed["alpha"] and fixed["ref"] < 1e-5 and fixed["post"] > 1e-2
+    assert zero_out["handoff"] is None and zero_out["post"] == 0.0  # vanilla attention: the order is irrelevant
+
+
+def test_rope_pre_trains_and_resumes_exactly(res):
+    full = res["pre"]["full"]
+    assert None not in full["lm_loss"] and full["lm_loss"][-1] < full["lm_loss"][0]
+    assert all(v > 0 for v in full["cr_loss"][2:]) and all(1 < v < 3 for v in full["cr"][2:])
+    assert full["val_loss"][-1] is not None
+    assert full["lm_loss"] != res["full"]["lm_loss"]  # a different model from rope_order=post
+    assert res["pre"]["resumed"] == full["lm_loss"][3:]

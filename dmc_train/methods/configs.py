@@ -30,6 +30,7 @@ ACCUMULATIONS = ("exact", "window")
 ATTENTION_IMPLS = ("auto", "fused_cpu", "blocked", "triton")
 CR_LOSS_FORMS = ("paper", "released")
 DMC_VARIANTS = ("dmc", "c", "hardc")
+ROPE_ORDERS = ("post", "pre")
 
 
 @dataclass
@@ -46,6 +47,7 @@ class DMCConfig:
     attention_impl: str = "auto"  # auto | fused_cpu | blocked | triton (kernels.dmc.dmc_attention)
     cr_loss: str = "paper"  # paper (Eq. 10, soft alphas summed over the model) | released (per-head hard, ST)
     variant: str = "dmc"  # dmc | c (DMC-C: Eq. 13 constraint) | hardc (decisions shared per layer)
+    rope_order: str = "post"  # post: accumulate RoPE-rotated keys | pre (released code): raw keys, k~_t rotated at t
     zero_out_steps: int = 0  # stage 1 (Eq. 12); 0 = skip (decision channel already unused)
     zero_out_fraction: float = 1.0  # anneal over this fraction of stage 1 (released code: 0.8)
     ramp_steps: int = 0  # stage 2: target CR rises linearly from 1 to target_cr
@@ -58,7 +60,7 @@ class DMCConfig:
         head_dim = m.hidden_size // m.num_attention_heads
         for key, allowed in (("decision_channel", DECISION_CHANNELS), ("accumulation", ACCUMULATIONS),
                              ("attention_impl", ATTENTION_IMPLS), ("cr_loss", CR_LOSS_FORMS),
-                             ("variant", DMC_VARIANTS)):
+                             ("variant", DMC_VARIANTS), ("rope_order", ROPE_ORDERS)):
             if d[key] not in allowed:
                 raise ConfigError(f"method.{key}={d[key]!r} is not one of {', '.join(allowed)}")
         if not d.target_cr >= 1:

@@ -75,7 +75,8 @@ class DMCMethod(Method):
         self.state = DMCState(
             channel=head_dim - 1 if d.decision_channel == "last" else 0, init_offset=d.init_offset, tau=d.tau,
             accumulation=d.accumulation, window=d.window, attention_impl=d.attention_impl, variant=d.variant,
-            noise_seed=cfg.train.seed, dp_rank=ps.get_data_parallel_rank(), tracker=self.tracker)
+            rope_order=d.rope_order, noise_seed=cfg.train.seed, dp_rank=ps.get_data_parallel_rank(),
+            tracker=self.tracker)
         self.last_stats = None  # [layers, heads, 2] hard-decision counts of the last step, all ranks
 
     # -- model ------------------------------------------------------------------------------------

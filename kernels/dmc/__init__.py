@@ -19,7 +19,8 @@ first use (Triton decides compiled vs interpreted when a kernel is defined).
 
 References (``reference.py``, re-exported here): :func:`reference_partial_accumulation` (token loop),
 :func:`dense_dmc_attention` / :func:`dmc_attention_bias` (full n x n bias),
-:func:`simulate_dmc_inference` / :class:`DMCHeadCache` (Algorithm 1 token by token).
+:func:`simulate_dmc_inference` / :class:`DMCHeadCache` (Algorithm 1 token by token),
+:func:`reference_pre_rope_dmc_attention` / :func:`rotate_half_rope` (the ``rope_order=pre`` model).
 
 This package depends on torch only (it sits below ``dmc_train``).
 """
@@ -42,6 +43,8 @@ from .reference import (
     dense_dmc_attention,
     dmc_attention_bias,
     reference_partial_accumulation,
+    reference_pre_rope_dmc_attention,
+    rotate_half_rope,
     simulate_dmc_inference,
 )
 
@@ -57,6 +60,8 @@ __all__ = [
     "dmc_attention_bias",
     "partial_accumulation",
     "reference_partial_accumulation",
+    "reference_pre_rope_dmc_attention",
+    "rotate_half_rope",
     "simulate_dmc_inference",
 ]
 

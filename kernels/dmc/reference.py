@@ -15,6 +15,9 @@ Layouts: q ``[b, h_q, n, d]``; k, v, k~, v~ ``[b, h_kv, n, d]`` (v: ``d_v``); al
   so with hard alpha in {0, 1} it is exactly the inference-time visibility of Algorithm 1.
 - :func:`simulate_dmc_inference` / :class:`DMCHeadCache`: Algorithm 1 token by token with an
   explicit growing cache per head.
+- :func:`rotate_half_rope` / :func:`reference_pre_rope_dmc_attention`: the ``rope_order=pre`` model
+  (raw keys accumulated, the running average k~_t rotated at the position of t), composed of the
+  references above.
 
 Which cache does the query at step t attend to in :func:`simulate_dmc_inference`? The cache *after*
 token t's update:
@@ -209,3 +212,59 @@ def simulate_dmc_inference(
     if return_caches:
         return out, lengths, caches
     return out, lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE order "pre": accumulate raw keys, rotate the accumulated key at its newest token
+# ---------------------------------------------------------------------------------------------
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half convention (Llama; megatron-core with ``rotary_interleaved=False``):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
+
+    ``x [b, h, n, d]``; ``cos`` / ``sin`` ``[n, d]`` (position t's angles repeated over both halves).
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def reference_pre_rope_dmc_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    omega: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    free_channel: int | None = None,
+) -> torch.Tensor:
+    """Fig. 3 attention of the ``rope_order=pre`` model, from raw (un-rotated) q, k, v.
+
+    Keys and values are accumulated with Eq. 9 (:func:`reference_partial_accumulation`) *before*
+    RoPE; the accumulated key ``k~_t`` is then rotated at position t (the newest token of its
+    segment), every query at its own position, and :func:`dense_dmc_attention` attends with the
+    Fig. 3 bias. ``alpha`` may be hard or soft. With hard decisions a closed slot is the raw average
+    of its segment rotated at the segment's last token, the open slot the raw running average
+    rotated at the current token.
+
+    Args:
+        q: ``[b, h_q, n, d]``, k: ``[b, h_kv, n, d]``, v: ``[b, h_kv, n, d_v]``, all raw (the decision
+            channel already zeroed by the caller, as in training).
+        alpha, omega: ``[b, h_kv, n]``.
+        cos, sin: ``[n, d]`` RoPE angles of positions 0..n-1 (:func:`rotate_half_rope`).
+        scale: score scale, default ``1 / sqrt(d)``; window: as :func:`reference_partial_accumulation`.
+        free_channel: the decision channel, ignored by the scores as in training (RoPE may have rotated
+            something into it); None: every channel counts (fixed pooling).
+
+    Returns:
+        ``[b, h_q, n, d_v]`` in q's dtype. Tests and small n only.
+    """
+    k_tilde, v_tilde = reference_partial_accumulation(k, v, alpha, omega, window=window)
+    q_rot = rotate_half_rope(q, cos, sin)
+    if free_channel is not None:
+        q_rot = q_rot.clone()
+        q_rot[..., free_channel] = 0
+    return dense_dmc_attention(q_rot, rotate_half_rope(k_tilde, cos, sin), v_tilde, alpha, scale=scale)

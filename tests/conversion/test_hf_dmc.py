@@ -169,12 +169,14 @@ def test_settings_from_the_method_config():
     from dmc_train.recipes import load_config
 
     cfg = load_config(["+recipe=tiny_pretrain", "method=dmc", "method.decision_channel=first",
-                       "method.accumulation=window", "method.window=5", "method.variant=hardc"])
+                       "method.accumulation=window", "method.window=5", "method.variant=hardc",
+                       "method.rope_order=pre"])
     assert dmc_settings_from_method(cfg.method, 8) == {
         "dmc_decision_channel": 0, "dmc_init_offset": 5.0, "dmc_accumulation": "window", "dmc_window": 5,
-        "dmc_shared_decisions": True}
+        "dmc_shared_decisions": True, "dmc_rope_order": "pre"}
     as_dict = {"name": "dmc", "decision_channel": "last", "init_offset": 0.5, "zero_out_steps": 10}
     assert dmc_settings_from_method(as_dict, 8, step=11)["dmc_decision_channel"] == 7  # meta.json's dict
+    assert dmc_settings_from_method(as_dict, 8, step=11)["dmc_rope_order"] == "post"  # saved before the option
     with pytest.raises(ConfigError, match="zero-out stage"):  # step 10's rows are zeroed as step 10 starts
         dmc_settings_from_method(as_dict, 8, step=10)
     with pytest.raises(ConfigError, match="only DMC models"):

@@ -7,6 +7,11 @@ Scenarios (tiny model, GQA 4 groups, zero-out 2 + ramp 2 + finetune 2 steps):
   resumed       the same run stopped after 3 steps and resumed: losses of steps 4..6
   zeroed_rows   before step 2 (end of zero-out) the q/k decision-channel rows of W_qkv are zero
   fixed_pool    the Fixed Memory Pooling ablation trains and evaluates
+  rope_pre      method.rope_order=pre: one DMC attention module against
+                kernels.dmc.reference_pre_rope_dmc_attention (eval/hard, train/soft, fixed pooling),
+                against rope_order=post, and in the zero-out phase
+  pre           the uninterrupted run with method.rope_order=pre, and the same run stopped after 3
+                steps and resumed
 """
 
 import json
@@ -29,6 +34,76 @@ def run(overrides):
 
 def history(summary, key):
     return [h.get(key) for h in summary["history"]]
+
+
+def rope_pre_module(trainer) -> dict:
+    """The first DMC attention module of ``trainer``'s model (rope_order=pre) against the reference on
+    the same weights and inputs: max abs differences (and to rope_order=post) per scenario."""
+    import torch
+    from megatron.core.transformer.attention import SelfAttention
+
+    from dmc_train.models.dmc import DMCSelfAttention
+    from kernels.dmc import decisions, reference_pre_rope_dmc_attention
+
+    m = trainer.cfg.model
+    state = trainer.method.state
+    state.tracker = None  # no CR bookkeeping for these bare module calls
+    state.init_offset = 0.0  # alpha logit = k[c]: a mix of appends and accumulations
+    att = next(x for x in trainer.model[0].modules() if isinstance(x, DMCSelfAttention))
+    with torch.no_grad():  # larger weights than at init: O(1) scores and outputs, so differences show
+        att.linear_qkv.weight.mul_(10)
+        att.linear_proj.weight.mul_(10)
+    gpt = next(x for x in trainer.model[0].modules() if hasattr(x, "rotary_pos_emb"))
+    s, b, d = 24, 2, m.hidden_size // m.num_attention_heads
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(s, b, m.hidden_size, generator=gen)
+    inv_freq = 1.0 / m.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq).repeat(1, 2)  # [s, d]
+    cos, sin = angles.cos(), angles.sin()
+    handed = []
+    put = att.handoff.put
+    att.handoff.put = lambda value: (handed.append(value), put(value))
+
+    def module_out(order):
+        state.rope_order = order
+        handed.clear()
+        out = att(hidden, None, rotary_pos_emb=gpt.rotary_pos_emb(s))[0]
+        return out, (handed[0] if handed else None)
+
+    def reference(decided, zero_channel):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in SelfAttention.get_query_key_value_tensors(att, hidden))
+        c = state.channel if zero_channel else None
+        if c is not None:
+            q, k = q.clone(), k.clone()
+            q[..., c], k[..., c] = 0, 0
+        out = reference_pre_rope_dmc_attention(q, k, v, decided[0], decided[1], cos, sin,
+                                               scale=att.core_attention.softmax_scale, free_channel=c)
+        return att.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))[0]
+
+    res = {}
+    with torch.no_grad():
+        for mode in ("eval", "train"):
+            att.train(mode == "train")
+            state.phase = "dmc"
+            pre, decided = module_out("pre")
+            post, decided_post = module_out("post")
+            alpha = decided[0]
+            res[mode] = {"ref": float((pre - reference(decided, True)).abs().max()), "scale": float(pre.abs().max()),
+                         "post": float((pre - post).abs().max()), "accumulated": decided[2],
+                         "same_decisions": bool(torch.equal(alpha, decided_post[0])),
+                         "hard": bool(((alpha == 0) | (alpha == 1)).all()),
+                         "appends": float((alpha < 0.5).float().mean())}
+        att.eval()
+        state.phase, state.pool = "fixed", 2
+        pre, decided = module_out("pre")
+        res["fixed"] = {"ref": float((pre - reference(decided, False)).abs().max()),
+                        "alpha": bool(torch.equal(decided[0][0, 0], decisions.fixed_pooling_alpha(s, 2))),
+                        "post": float((pre - module_out("post")[0]).abs().max())}
+        state.phase, state.zero_out_factor = "zero_out", 0.5
+        pre, decided = module_out("pre")
+        res["zero_out"] = {"handoff": decided, "post": float((pre - module_out("post")[0]).abs().max())}
+    att.handoff.put = put
+    return res
 
 
 def main(out_path: str, work: str) -> None:
@@ -66,6 +141,14 @@ def main(out_path: str, work: str) -> None:
 
     pool = run([f"run_dir={work}/pool", "method=fixed_pooling", "method.target_cr=2", "train.max_steps=3"])
     res["fixed_pool"] = {k: history(pool, k) for k in ("lm_loss", "val_loss", "cr")}
+
+    pre = ["method.rope_order=pre"]
+    trainer = Trainer(load_config(COMMON + pre + [f"run_dir={work}/rope", "checkpoint.resume=none"]))
+    res["rope_pre"] = rope_pre_module(trainer)
+    full = run(pre + [f"run_dir={work}/pre_full", "checkpoint.save_interval=0"])
+    run(pre + [f"run_dir={work}/pre_split", "train.max_steps_per_job=3"])
+    res["pre"] = {"full": {k: history(full, k) for k in ("lm_loss", "cr_loss", "cr", "val_loss")},
+                  "resumed": history(run(pre + [f"run_dir={work}/pre_split"]), "lm_loss")}
 
     with open(out_path, "w") as f:
         json.dump(res, f)

@@ -22,7 +22,8 @@ from dmc_train.methods.configs import dmc_settings
 MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_dmc_llama.py")
 MODULE = "modeling_dmc_llama"
 AUTO_MAP = {"AutoConfig": f"{MODULE}.DMCLlamaConfig", "AutoModelForCausalLM": f"{MODULE}.DMCLlamaForCausalLM"}
-DMC_FIELDS = ("dmc_decision_channel", "dmc_init_offset", "dmc_accumulation", "dmc_window", "dmc_shared_decisions")
+DMC_FIELDS = ("dmc_decision_channel", "dmc_init_offset", "dmc_accumulation", "dmc_window", "dmc_shared_decisions",
+              "dmc_rope_order")
 
 MODEL_CARD = """\
 # DMC model (Dynamic Memory Compression)
@@ -37,7 +38,8 @@ model = AutoModelForCausalLM.from_pretrained("<this directory>", trust_remote_co
 
 Per layer and KV head, each token either appends its key/value to the cache or merges them into the
 last slot (a weighted average), decided from channel {channel} of the query/key heads
-(`dmc_init_offset` = {init_offset}, accumulation `{accumulation}`{window_note}).
+(`dmc_init_offset` = {init_offset}, accumulation `{accumulation}`{window_note}, RoPE order
+`{rope_order}`).
 
 - `model(ids, use_cache=False)` (what lm-eval uses) computes the teacher-forced DMC attention.
 - `generate()` uses a `DMCCache`: per (sequence, layer, KV head) a variable-length sequence of slots.
@@ -67,6 +69,7 @@ def dmc_settings_from_method(method: Any, head_dim: int, step: int | None = None
         "dmc_accumulation": settings.accumulation,
         "dmc_window": settings.window,
         "dmc_shared_decisions": settings.shared,
+        "dmc_rope_order": settings.rope_order,
     }
 
 
@@ -95,4 +98,5 @@ def model_card_text(config: dict) -> str:
     window = config.get("dmc_accumulation") == "window"
     return MODEL_CARD.format(channel=config.get("dmc_decision_channel"), init_offset=config.get("dmc_init_offset"),
                              accumulation=config.get("dmc_accumulation", "exact"),
-                             window_note=f", window {config.get('dmc_window')}" if window else "")
+                             window_note=f", window {config.get('dmc_window')}" if window else "",
+                             rope_order=config.get("dmc_rope_order", "post"))

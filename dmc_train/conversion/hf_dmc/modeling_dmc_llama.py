@@ -9,8 +9,11 @@ weights are exactly ``LlamaForCausalLM``'s; only the attention differs. Per laye
   ``c0 = config.dmc_init_offset``; the first token of every sequence appends;
 - channel ``c`` is then zeroed in q and k, RoPE (rotate-half) is applied, and channel ``c`` takes no
   part in attention;
-- keys and values are accumulated after RoPE (Eq. 9): a slot holds the omega-weighted average of its
-  segment's keys / values (``dmc_accumulation="window"``: of the segment's last ``dmc_window`` tokens);
+- keys and values are accumulated (Eq. 9): a slot holds the omega-weighted average of its segment's
+  keys / values (``dmc_accumulation="window"``: of the segment's last ``dmc_window`` tokens). With
+  ``dmc_rope_order="post"`` the keys are rotated before they are accumulated; with ``"pre"`` the raw
+  keys are accumulated and a slot is rotated at the position of its segment's newest token (the open
+  slot at the current position);
 - query ``t`` attends (scale ``1/sqrt(head_dim)``) over the closed slots and its own open slot.
 
 Layouts: hidden ``[B, q, hidden]``; heads ``[B, H, q, d]`` / ``[B, H_kv, q, d]``; per-head decisions
@@ -43,6 +46,7 @@ from transformers.models.llama.modeling_llama import (
 
 OMEGA_EPS = 1e-6
 ACCUMULATIONS = ("exact", "window")
+ROPE_ORDERS = ("post", "pre")
 
 
 class DMCLlamaConfig(LlamaConfig):
@@ -55,6 +59,7 @@ class DMCLlamaConfig(LlamaConfig):
     dmc_accumulation: str = "exact"
     dmc_window: int = 12
     dmc_shared_decisions: bool = False  # DMC-HardC: one decision / importance per layer, shared by its heads
+    dmc_rope_order: str = "post"  # post: rotated keys accumulated; pre: raw keys accumulated, then rotated
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -65,6 +70,8 @@ class DMCLlamaConfig(LlamaConfig):
                              f"(head_dim={self.head_dim})")
         if self.dmc_accumulation not in ACCUMULATIONS:
             raise ValueError(f"dmc_accumulation={self.dmc_accumulation!r}; expected one of {', '.join(ACCUMULATIONS)}")
+        if self.dmc_rope_order not in ROPE_ORDERS:
+            raise ValueError(f"dmc_rope_order={self.dmc_rope_order!r}; expected one of {', '.join(ROPE_ORDERS)}")
         if self.dmc_window < 1:
             raise ValueError(f"dmc_window={self.dmc_window} must be >= 1")
 
@@ -173,12 +180,15 @@ class DMCCacheLayer(CacheLayerMixin):
         raise NotImplementedError("DMCCacheLayer is updated by the DMC attention module (attend), not by update()")
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, alpha: torch.Tensor,
-               omega: torch.Tensor, real: torch.Tensor, scale: float, store: bool = True) -> torch.Tensor:
+               omega: torch.Tensor, real: torch.Tensor, scale: float, store: bool = True,
+               rotate: tuple | None = None) -> torch.Tensor:
         """Attention output ``[B, H, q, d_v]`` for a chunk of q tokens; with ``store`` the cache is updated.
 
         ``query [B, H, q, d]``, ``key [B, H_kv, q, d]`` (RoPE applied, decision channel zeroed),
         ``value [B, H_kv, q, d_v]``, ``alpha / omega [B, H_kv, q]`` (hard decisions, importances),
-        ``real [B, q]`` (False at padding: neither decides nor is seen). One pass over the chunk: the
+        ``real [B, q]`` (False at padding: neither decides nor is seen). ``rotate`` (``rope_order="pre"``,
+        keys raw): ``(cos, sin)`` of the chunk ``[B, q, d]`` and ``(cos, sin)`` of the sequence's previous
+        token ``[B, 1, d]``, at which the states are rotated. One pass over the chunk: the
         pending tokens of the open slot are prepended, Eq. 9 runs as segment sums, and each query sees
         the cache's closed slots plus the chunk states that are closed before it or its own.
         """
@@ -199,6 +209,11 @@ class DMCCacheLayer(CacheLayerMixin):
             [wk.shape[-1], wv.shape[-1], 1], dim=-1)
         safe = torch.where(z > 0, z, 1.0)
         k_t, v_t = (uk / safe).to(key.dtype), (uv / safe).to(value.dtype)  # states [B, H_kv, m, d]
+        if rotate is not None:  # pre: each state at its newest token (pending ones: the previous token)
+            (cos, sin), (prev_cos, prev_sin) = rotate
+            cos = torch.cat([prev_cos.expand(b, p, -1), cos], dim=1)
+            sin = torch.cat([prev_sin.expand(b, p, -1), sin], dim=1)
+            k_t = _rotate(k_t, cos, sin)
         closes = (_next_real_alpha(a, r) == 0) & r
 
         n_closed = (self.lengths - 1).clamp(min=0)
@@ -355,12 +370,17 @@ class DMCLlamaAttention(LlamaAttention):
         keep[c] = 0
         cos, sin = position_embeddings
         # Zeroed before RoPE (so RoPE rotates with c = 0) and after (what lands in c is ignored).
-        query, key = _rotate(query * keep, cos, sin) * keep, _rotate(key * keep, cos, sin) * keep
+        query = _rotate(query * keep, cos, sin) * keep
+        rotate = None
+        if cfg.dmc_rope_order == "pre":  # the cache rotates the accumulated raw keys
+            key, rotate = key * keep, (position_embeddings, kwargs["dmc_previous_position_embeddings"])
+        else:
+            key = _rotate(key * keep, cos, sin) * keep
         if past_key_values is not None:
             layer, store = past_key_values.layers[self.layer_idx], True
         else:
             layer, store = DMCCacheLayer(cfg), False
-        out = layer.attend(query, key, value, alpha, omega, attention_mask, self.scaling, store=store)
+        out = layer.attend(query, key, value, alpha, omega, attention_mask, self.scaling, store=store, rotate=rotate)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1)), None
 
 
@@ -419,9 +439,15 @@ class DMCLlamaModel(DMCLlamaPreTrainedModel, LlamaModel):
             position_ids = (before + real.long().cumsum(-1) - 1).clamp(min=0)
         hidden = inputs_embeds
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        extra = {}
+        if self.config.dmc_rope_order == "pre":  # where an open slot closed by this chunk is rotated
+            first_layer = past_key_values.layers[0] if past_key_values is not None else None
+            before = first_layer.tokens[:, None] if first_layer is not None and first_layer.is_initialized else 0
+            previous = (torch.zeros_like(position_ids[:, :1]) + before - 1).clamp(min=0)
+            extra["dmc_previous_position_embeddings"] = self.rotary_emb(hidden, position_ids=previous)
         for layer in self.layers[: self.config.num_hidden_layers]:
             hidden = layer(hidden, attention_mask=real, position_embeddings=position_embeddings,
-                           position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
+                           position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache, **extra)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
 
 

@@ -12,9 +12,15 @@ projected query and key heads *before* RoPE (the math is :mod:`kernels.dmc.decis
   one omega (means over the layer's heads) and one noise draw across all heads of a layer.
 
 then zeroes channel c in q and k, so RoPE rotates the other channels with it zeroed (as the released
-code does), and hands ``(alpha, omega)`` to its ``DMCCoreAttention`` (the spec's ``core_attention``)
-through a :class:`DecisionHandoff` given to both at construction. The core attention accumulates keys
-and values after RoPE (Eq. 9) and attends with the Fig. 3 bias in O(n) memory, ignoring channel c.
+code does), and hands ``(alpha, omega, accumulated)`` to its ``DMCCoreAttention`` (the spec's
+``core_attention``) through a :class:`DecisionHandoff` given to both at construction. The core
+attention attends with the Fig. 3 bias in O(n) memory, ignoring channel c. Where keys and values are
+accumulated (Eq. 9) depends on ``DMCState.rope_order``:
+
+- ``post`` (default): the core attention accumulates the keys megatron has already rotated by RoPE.
+- ``pre`` (the released code): ``get_query_key_value_tensors`` accumulates the raw keys and values
+  and returns ``k~`` and ``v~``; megatron then rotates ``k~_t`` at position t (the newest token of
+  its segment), and the core attention skips its own accumulation (``accumulated=True``).
 
 Phases (set by the DMC method's schedule on the shared :class:`DMCState`):
 ``zero_out`` - vanilla attention with channel c of q and k scaled by ``zero_out_factor`` (Eq. 12);
@@ -58,6 +64,7 @@ class DMCState:
     attention_impl: str = "auto"
     variant: str = "dmc"  # dmc | c (DMC-C, Eq. 13) | hardc (decisions shared per layer)
     phase: str = "dmc"  # zero_out | dmc | fixed
+    rope_order: str = "post"  # post: accumulate RoPE-rotated keys | pre: accumulate raw keys, then rotate
     zero_out_factor: float = 1.0
     pool: int = 2  # fixed pooling: tokens per slot
     noise_seed: int = 0  # Gumbel noise = f(noise_seed, step, data-parallel rank, micro-batch, layer)
@@ -66,17 +73,21 @@ class DMCState:
     tracker: Optional[CRLossTracker] = None
 
 
+Decisions = tuple[torch.Tensor, torch.Tensor, bool]  # (alpha [b, g, s], omega [b, g, s], accumulated)
+
+
 class DecisionHandoff:
-    """One layer's ``(alpha, omega)`` from ``DMCSelfAttention`` to its ``DMCCoreAttention``, for one
-    forward (megatron calls the core attention with q, k, v only). Empty in the zero-out phase."""
+    """One layer's ``(alpha, omega, accumulated)`` from ``DMCSelfAttention`` to its ``DMCCoreAttention``,
+    for one forward (megatron calls the core attention with q, k, v only). ``accumulated``: the keys
+    and values it receives are already k~ / v~ (``rope_order=pre``). Empty in the zero-out phase."""
 
     def __init__(self):
-        self._value: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._value: Optional[Decisions] = None
 
-    def put(self, value: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def put(self, value: Optional[Decisions]) -> None:
         self._value = value
 
-    def take(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def take(self) -> Optional[Decisions]:
         value, self._value = self._value, None
         return value
 
@@ -103,8 +114,7 @@ class DMCSelfAttention(SelfAttention):
             alpha = decisions.fixed_pooling_alpha(s, st.pool, key.device).expand(b, g, s).contiguous()
             if st.tracker is not None:  # counts the decisions (achieved CR); no gradient
                 alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset)
-            self.handoff.put((alpha, torch.ones_like(alpha)))
-            return query, key, value
+            return (query, *self._hand_off(key, value, alpha, torch.ones_like(alpha)))
         keep = torch.ones(query.shape[-1], dtype=query.dtype, device=query.device)
         if st.phase == "zero_out":
             keep[c] = st.zero_out_factor
@@ -127,8 +137,20 @@ class DMCSelfAttention(SelfAttention):
             query = AttachLoss.apply(query, constraint.sum(), 1.0 / (n_layers * n_heads))
         if st.tracker is not None:
             alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, constraint=constraint)
-        self.handoff.put((alpha, omega.permute(1, 2, 0)))
-        return query, key, value
+        return (query, *self._hand_off(key, value, alpha, omega.permute(1, 2, 0)))
+
+    def _hand_off(self, key, value, alpha, omega) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give the decisions to the core attention; return the key and value megatron continues with
+        (RoPE, then the core attention): unchanged for ``rope_order=post``; for ``pre`` the raw keys and
+        values accumulated by Eq. 9 (``[s, b, g, d]``), so that RoPE rotates k~_t at position t."""
+        st = self.dmc
+        pre = st.rope_order == "pre"
+        if pre:
+            k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, g, s, d]
+            k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=st.accumulation, window=st.window)
+            key, value = (t.permute(2, 0, 1, 3).contiguous() for t in (k_t, v_t))
+        self.handoff.put((alpha, omega, pre))
+        return key, value
 
     def _alpha(self, logit: torch.Tensor, shared_noise: bool = False) -> torch.Tensor:
         """Accumulate probabilities ``[s, b, g]`` from logits (module docstring), in fp32."""
@@ -160,7 +182,8 @@ def _mean_over_heads(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 class DMCCoreAttention(SDPACoreAttention):
     """Core attention over partially accumulated keys/values with the Fig. 3 bias (vanilla when the
-    handoff holds no decisions, i.e. in the zero-out phase)."""
+    handoff holds no decisions, i.e. in the zero-out phase). Accumulates the RoPE-rotated keys itself
+    (``rope_order=post``) unless the handoff says they arrive accumulated (``pre``)."""
 
     def __init__(self, *args, dmc_state: DMCState, handoff: DecisionHandoff, **kwargs):
         super().__init__(*args, **kwargs)
@@ -170,10 +193,13 @@ class DMCCoreAttention(SDPACoreAttention):
         pending = self.handoff.take()
         if pending is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, **kwargs)
-        alpha, omega = pending
+        alpha, omega, accumulated = pending
         sq, b, nh, hd = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=self.dmc.accumulation, window=self.dmc.window)
+        if accumulated:  # rope_order=pre: k~ (rotated by megatron at each token's position) and v~
+            k_t, v_t = k, v
+        else:
+            k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=self.dmc.accumulation, window=self.dmc.window)
         free = None if self.dmc.phase == "fixed" else self.dmc.channel
         out = dmc_attention(q, k_t, v_t, alpha, scale=self.softmax_scale, free_channel=free,
                             impl=self.dmc.attention_impl)

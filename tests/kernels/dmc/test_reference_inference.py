@@ -4,7 +4,14 @@ import pytest
 import torch
 from dmc_inputs import IMPLS, hard_alpha, make_inputs
 
-from kernels.dmc import DMCHeadCache, dmc_attention, partial_accumulation, simulate_dmc_inference
+from kernels.dmc import (
+    DMCHeadCache,
+    dmc_attention,
+    partial_accumulation,
+    reference_pre_rope_dmc_attention,
+    rotate_half_rope,
+    simulate_dmc_inference,
+)
 
 
 def _longest_segment(alpha):
@@ -78,3 +85,38 @@ def test_paper_worked_example_cache_growth():
     k_t, v_t = partial_accumulation(k, v, alpha, omega)
     torch.testing.assert_close(k_t[0, 0, [2, 4, 5]].double(), torch.stack(final.keys), atol=1e-6, rtol=0)
     torch.testing.assert_close(v_t[0, 0, [2, 4, 5]].double(), torch.stack(final.values), atol=1e-6, rtol=0)
+
+
+def _rope_angles(n, d, base=10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq).repeat(1, 2)
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_pre_rope_reference_equals_inference_with_raw_slots(G):
+    """rope_order=pre with hard decisions: a slot holds the raw average of its segment and is rotated at
+    the position of the segment's newest token (the open slot at the current token); differs from post."""
+    q, k, v, omega, gen = make_inputs(b=2, hk=2, G=G, n=17, d=8, dtype=torch.float64, seed=4)
+    alpha = hard_alpha(k.shape[:3], gen).double()
+    cos, sin = _rope_angles(17, 8)
+    out = reference_pre_rope_dmc_attention(q, k, v, alpha, omega, cos, sin)
+
+    def rope(x, t):
+        return rotate_half_rope(x[None, None, None], cos[t: t + 1], sin[t: t + 1])[0, 0, 0]
+
+    expected = torch.zeros_like(out)
+    for bi in range(2):
+        for h in range(2):
+            cache, newest = DMCHeadCache(), []
+            for t in range(17):
+                cache.update(k[bi, h, t], v[bi, h, t], float(alpha[bi, h, t]), omega[bi, h, t])
+                newest[len(cache) - 1:] = [t]  # the open slot's newest token is t
+                keys = torch.stack([rope(key, p) for key, p in zip(cache.keys, newest)])
+                for j in range(h * G, (h + 1) * G):
+                    weights = torch.softmax(keys @ rope(q[bi, j, t], t) / 8 ** 0.5, dim=0)
+                    expected[bi, j, t] = weights @ torch.stack(cache.values)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+
+    post, _ = simulate_dmc_inference(rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin), v, alpha, omega)
+    assert (out - post).abs().max() > 1e-2
