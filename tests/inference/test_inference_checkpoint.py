@@ -16,18 +16,21 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("inference_runs")
     # init_offset 0: about half of the untrained model's decisions merge, so the cache really compresses
     run([*TRAIN, "method=dmc", "method.init_offset=0.0", "train.max_steps=4", f"run_dir={root / 'dmc'}"])
+    run([*TRAIN, "method=dmc", "method.init_offset=0.0", "method.rope_order=pre", "method.accumulation=window",
+         "method.window=3", "model.num_query_groups=4", "train.max_steps=2", f"run_dir={root / 'dmc_pre'}"])
     run([*TRAIN, "model.num_query_groups=4", "train.max_steps=2", f"run_dir={root / 'gqa'}"])
     return root
 
 
 def test_inference_model_and_cache_match_the_training_model(runs, tmp_path):
-    res = run_json(["tests/scripts/inference_checks.py", str(runs / "dmc"), str(runs / "gqa")],
+    res = run_json(["tests/scripts/inference_checks.py", str(runs / "dmc"), str(runs / "dmc_pre"), str(runs / "gqa")],
                    str(tmp_path / "out.json"))
-    dmc, gqa = res[str(runs / "dmc")], res[str(runs / "gqa")]
-    for r in (dmc, gqa):
+    dmc, pre, gqa = (res[str(runs / name)] for name in ("dmc", "dmc_pre", "gqa"))
+    for r in (dmc, pre, gqa):
         assert r["forward_vs_training"] < 1e-4
         assert r["engine_vs_training"] < 1e-4  # prefill + ragged batched decode, fp32
-    assert dmc["entries"] == dmc["algorithm1"]  # [sequence][layer][KV head]
+    for r in (dmc, pre):  # GQA + DMC, rope_order=pre with window accumulation too
+        assert r["entries"] == r["algorithm1"]  # [sequence][layer][KV head]
     counts = [c for seq in dmc["entries"] for layer in seq for c in layer]
     assert 1 < min(counts) and max(counts) < 48  # compressed, and not to a single slot
     assert {c for seq in gqa["entries"] for layer in seq for c in layer} == {48}
