@@ -214,8 +214,8 @@ class Engine:
     def _decode(self) -> list[Event]:
         events, overflow = [], []
         free = len(self.pool.free_pages)
-        for req in self.running:  # reserve the pages this step can take, oldest requests first
-            need = self.cache.decode_pages_needed(req.id)
+        needs = self.cache.decode_pages_needed([r.id for r in self.running])
+        for req, need in zip(self.running, needs):  # reserve the pages this step can take, oldest first
             if need > free:
                 overflow.append(req)
             else:

@@ -58,18 +58,21 @@ class KVCache:
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float):
         self.pool, self.num_layers, self.num_kv_heads, self.scale = pool, num_layers, num_kv_heads, scale
         self.rows: dict[int, torch.Tensor] = {}
+        self._batch_key, self._batch_rows = None, None
 
     # -- sequences --------------------------------------------------------------------------------
     def add(self, seq_id: int) -> None:
         """Give a new sequence its rows (empty until prefill)."""
         if seq_id in self.rows:
             raise InferenceError(f"sequence {seq_id} is already in the cache")
+        self._batch_key = None
         self.rows[seq_id] = self.pool.new_rows(self.num_layers * self.num_kv_heads).view(
             self.num_layers, self.num_kv_heads)
 
     def release(self, seq_id: int) -> None:
         """Return a sequence's pages and rows to the pool (when its request ends or fails)."""
         rows = self.rows.pop(seq_id, None)
+        self._batch_key = None
         if rows is not None:
             self.pool.free_rows(rows.flatten())
 
@@ -82,15 +85,23 @@ class KVCache:
                info: TokenInfo) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode_pages_needed(self, seq_id: int) -> int:
-        """Most pages one decode step of ``seq_id`` can take (the engine reserves them up front)."""
-        rows = self.rows[seq_id].flatten()
-        return self.pool.pages_needed(rows, self.pool.seq_lens[rows].long() + 1)
+    def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:
+        """Most pages one decode step of each of ``seq_ids`` can take (the engine reserves them up front):
+        a page for every row whose last page is full."""
+        rows = self.batch_rows(seq_ids).flatten(1)  # [B, layers * H_kv]
+        full = self.pool.seq_lens[rows].long() % self.pool.page_size == 0
+        return full.sum(1).tolist()
 
-    # -- shared helpers ---------------------------------------------------------------------------
+    def batch_rows(self, seq_ids: list[int]) -> torch.Tensor:
+        """Rows ``[B, layers, H_kv]`` of ``seq_ids`` (stacked once per batch, reused by every layer)."""
+        key = tuple(seq_ids)
+        if self._batch_key != key:
+            self._batch_key, self._batch_rows = key, torch.stack([self.rows[s] for s in seq_ids])
+        return self._batch_rows
+
     def layer_rows(self, layer: int, seq_ids: list[int]) -> torch.Tensor:
         """Rows ``[B, H_kv]`` of ``layer`` for ``seq_ids``."""
-        return torch.stack([self.rows[s][layer] for s in seq_ids])
+        return self.batch_rows(seq_ids)[:, layer]
 
     def attend_paged(self, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Decode attention of ``q [B, H, d]`` over ``rows [B, H_kv]`` -> ``[B, H, d_v]``."""
