@@ -70,11 +70,11 @@ def test_cr_reduction_waits_for_every_model_chunk():
 
 
 @pytest.mark.parametrize("target_cr", [1.5, 3.0])
-def test_released_form_gradient_is_straight_through_per_head(target_cr):
-    """The released code's loss: mean over heads of max(0, 1 - 1/CR - mean hard alpha of the head),
+def test_per_head_form_gradient_is_straight_through_per_head(target_cr):
+    """cr_loss=per_head: mean over heads of max(0, 1 - 1/CR - mean hard alpha of the head),
     hard decisions with a straight-through gradient; compared with autograd of exactly that."""
     shapes = [(2, 4, 6), (2, 4, 6)]
-    tracker = CRLossTracker(num_layers=2, num_heads=4, form="released")
+    tracker = CRLossTracker(num_layers=2, num_heads=4, form="per_head")
     tracker.target_cr = target_cr
     alphas = _alphas(3, shapes)
     alphas[1].data[:, 0] = 0.9  # head 0 accumulates a lot: its hinge is inactive
@@ -93,6 +93,35 @@ def test_released_form_gradient_is_straight_through_per_head(target_cr):
     for a, r in zip(alphas, ref_alphas):
         torch.testing.assert_close(a.grad, r.grad)
     assert len({round(float(g), 12) for g in (alphas[0].grad - weights)[0, :, 0]}) > 1  # per-head hinge
+
+
+@pytest.mark.parametrize("target_cr", [1.5, 3.0])
+def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr):
+    """cr_loss=released (the authors' form, made layout-independent): per sequence, the mean hard
+    decision over all layers, KV heads and tokens; mean of the per-sequence hinges; straight-through.
+    Heads are recorded in two TP-like halves to check that the sums are over all of them."""
+    tracker = CRLossTracker(num_layers=2, num_heads=4, form="released")
+    tracker.target_cr = target_cr
+    alphas = _alphas(4, [(3, 4, 6), (3, 4, 6)])
+    for a in alphas:  # sequence 0 keeps every token, sequence 1 merges most of them
+        a.data[0], a.data[1] = 0.1, 0.9
+    ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
+    weights = torch.randn(3, 4, 6, dtype=torch.float64)
+    tracker.begin_chunk(0)
+    wired = [torch.cat([tracker.record(a[:, :2], layer, 0), tracker.record(a[:, 2:], layer, 2)], dim=1)
+             for layer, a in enumerate(alphas)]
+    tracker.end_chunk(0)
+    sum((a * weights).sum() for a in wired).backward()
+
+    st = [(a > 0.5).double() + a - a.detach() for a in ref_alphas]
+    mean_hard = torch.stack([x.mean(dim=(1, 2)) for x in st]).mean(0)  # per sequence, over layers, heads, tokens
+    loss = torch.clamp(1 - 1 / target_cr - mean_hard, min=0).mean()
+    (sum((a * weights).sum() for a in ref_alphas) + 3 * 6 * loss).backward()
+    assert tracker.loss(0) == pytest.approx(loss.item(), abs=1e-12)
+    for a, r in zip(alphas, ref_alphas):
+        torch.testing.assert_close(a.grad, r.grad)
+    if target_cr == 1.5:  # sequence 1 meets the target, the others do not: only they get the push
+        assert torch.equal(alphas[0].grad[1], weights[1]) and not torch.equal(alphas[0].grad[0], weights[0])
 
 
 def test_attached_loss_joins_the_backward():

@@ -1,14 +1,18 @@
 """DMC's compression-ratio loss over the whole model, under tensor and pipeline parallelism.
 
-Two forms (``dmc.cr_loss``):
+Three forms (``method.cr_loss``):
 
 - ``paper`` (Eq. 10, default): ``l_CR = max(0, S - N / CR) / N`` with ``S = sum_{l,h,t} (1 - alpha)``
   over *all* layers, KV heads and tokens of the micro-batch and ``N`` their count.
-- ``released`` (the authors' Megatron-LM code): per KV head, the mean hard decision ``a_h`` over
-  layers, batch and tokens (straight-through: its gradient goes to the soft alphas), then
-  ``l_CR = mean_h max(0, 1 - 1/CR - a_h)``.
+- ``released`` (as the authors' Megatron-LM code): per *sequence* s of the micro-batch, the mean
+  hard decision ``a_s`` over all layers, KV heads and tokens (straight-through: its gradient goes to
+  the soft alphas), then ``l_CR = mean_s max(0, 1 - 1/CR - a_s)``. The released code takes the mean
+  per sequence and tensor-parallel shard of heads (so its loss depends on the TP layout); here the
+  mean runs over all heads of all layers, the same for every layout.
+- ``per_head``: the same hinge per KV head ``h`` instead, ``a_h`` over layers, sequences and tokens,
+  ``l_CR = mean_h max(0, 1 - 1/CR - a_h)``: every head must reach the target on its own.
 
-Both need sums over all layers and heads, i.e. over the tensor- and pipeline-parallel ranks, before
+All need sums over all layers and heads, i.e. over the tensor- and pipeline-parallel ranks, before
 the hinge. A blocking collective in the forward would deadlock a pipeline schedule (stage 0 runs
 micro-batch m's forward long before the last stage does). But the hinge's indicator is needed only
 at backward time, and every rank finishes the forwards of micro-batch m (of all its model chunks)
@@ -34,8 +38,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-FORMS = ("paper", "released")
-# Columns of the per-micro-batch, per-KV-head sums.
+FORMS = ("paper", "released", "per_head")
+# Columns of the per-micro-batch, per-KV-head sums (per sequence: HARD and COUNT).
 KEEP, HARD, COUNT, CONSTRAINT = range(4)
 
 
@@ -56,15 +60,20 @@ class CRLossTracker:
 
     def _reset_microbatches(self) -> None:
         self.active: Optional[int] = None  # micro-batch whose forward is running
+        self._buffers: dict[int, torch.Tensor] = {}  # m -> the flat buffer of both views below (one all-reduce)
         self._partial: dict[int, torch.Tensor] = {}  # m -> [heads, 4] sums of this rank's layers
+        self._per_seq: dict[int, torch.Tensor] = {}  # m -> [b, 2] (HARD, COUNT) per sequence of the micro-batch
         self._tokens: dict[int, int] = {}  # m -> tokens in the micro-batch (b * n)
         self._done: dict[int, int] = defaultdict(int)  # m -> chunks of this rank done with m
         self._pending: dict[int, object] = {}  # m -> async all-reduce work
         self._forwards.clear()
 
-    def _sums(self, m: int) -> torch.Tensor:
+    def _sums(self, m: int, batch: int = 0) -> torch.Tensor:
+        """The [heads, 4] sums of micro-batch m (``batch``: its sequences, known at the first record)."""
         if m not in self._partial:
-            self._partial[m] = torch.zeros(self.num_heads, 4, dtype=torch.float64)
+            h = self.num_heads * 4
+            buf = torch.zeros(h + 2 * batch, dtype=torch.float64)
+            self._buffers[m], self._partial[m], self._per_seq[m] = buf, buf[:h].view(-1, 4), buf[h:].view(-1, 2)
         return self._partial[m]
 
     # -- forward bookkeeping (model-chunk hooks) --------------------------------------------------
@@ -76,7 +85,8 @@ class CRLossTracker:
         m = self.active
         self._done[m] += 1
         if self._done[m] == self.num_chunks and self.group is not None:
-            self._pending[m] = dist.all_reduce(self._sums(m), group=self.group, async_op=True)
+            self._sums(m)
+            self._pending[m] = dist.all_reduce(self._buffers[m], group=self.group, async_op=True)
 
     def record(self, alpha: torch.Tensor, layer: int, head_offset: int,
                constraint: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -91,7 +101,9 @@ class CRLossTracker:
         a = alpha.detach().double()
         hard = (a > 0.5).double()
         heads = slice(head_offset, head_offset + h)
-        sums = self._sums(m)
+        sums = self._sums(m, b)
+        self._per_seq[m][:, 0] += hard.sum(dim=(1, 2))
+        self._per_seq[m][:, 1] += h * n
         sums[heads, KEEP] += (1 - a).sum(dim=(0, 2))
         sums[heads, HARD] += hard.sum(dim=(0, 2))
         sums[heads, COUNT] += b * n
@@ -117,7 +129,8 @@ class CRLossTracker:
         if self.form == "paper":
             n = sums[:, COUNT].sum()
             return float((sums[:, KEEP].sum() - n / self.target_cr).clamp(min=0) / n)
-        mean_hard = sums[:, HARD] / sums[:, COUNT]
+        mean_hard = self._per_seq[m][:, 0] / self._per_seq[m][:, 1] if self.form == "released" else \
+            sums[:, HARD] / sums[:, COUNT]
         return float((1 - 1 / self.target_cr - mean_hard).clamp(min=0).mean())
 
     def constraint_loss(self, m: int) -> float:
@@ -125,16 +138,23 @@ class CRLossTracker:
         sums = self._global_sums(m)
         return float(sums[:, CONSTRAINT].sum() / sums[:, COUNT].sum())
 
-    def alpha_gradient(self, m: int) -> torch.Tensor:
-        """``d (l_CR * tokens) / d alpha`` for the alphas of micro-batch m, per global KV head ``[heads]``."""
+    def alpha_gradient(self, m: int, head_offset: int, heads: int) -> torch.Tensor:
+        """``d (l_CR * tokens) / d alpha`` for the alphas ``[b, heads, n]`` of micro-batch m whose first
+        KV head is global head ``head_offset``; broadcastable: ``[1, heads, 1]`` or, per sequence, ``[b, 1, 1]``."""
         sums = self._global_sums(m)
         tokens = self._tokens[m]
+        if self.form == "released":
+            hard, count = self._per_seq[m][:, 0], self._per_seq[m][:, 1]
+            active = (hard / count < 1 - 1 / self.target_cr).double()
+            return (-tokens * active / (len(count) * count)).view(-1, 1, 1)
         if self.form == "paper":
             n = sums[:, COUNT].sum()
             active = float(sums[:, KEEP].sum() > n / self.target_cr)
-            return torch.full((self.num_heads,), -tokens * active / float(n), dtype=torch.float64)
-        active = (sums[:, HARD] / sums[:, COUNT] < 1 - 1 / self.target_cr).double()
-        return -tokens * active / (self.num_heads * sums[:, COUNT])
+            coef = torch.full((self.num_heads,), -tokens * active / float(n), dtype=torch.float64)
+        else:
+            active = (sums[:, HARD] / sums[:, COUNT] < 1 - 1 / self.target_cr).double()
+            coef = -tokens * active / (self.num_heads * sums[:, COUNT])
+        return coef[head_offset: head_offset + heads].view(1, -1, 1)
 
     # -- step boundaries --------------------------------------------------------------------------
     def drain(self) -> None:
@@ -162,9 +182,8 @@ class _InjectCRGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        h = grad.shape[1]
-        coef = ctx.tracker.alpha_gradient(ctx.m)[ctx.head_offset: ctx.head_offset + h]
-        return grad + coef.to(grad.dtype).view(1, h, 1), None, None, None
+        coef = ctx.tracker.alpha_gradient(ctx.m, ctx.head_offset, grad.shape[1])
+        return grad + coef.to(grad.dtype), None, None, None
 
 
 class AttachLoss(torch.autograd.Function):
