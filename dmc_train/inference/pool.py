@@ -70,9 +70,13 @@ class PagePool:
         return {"allocated": self.used_pages * self.page_bytes, "peak": self.peak_pages * self.page_bytes,
                 "total": self.num_pages * self.page_bytes}
 
+    def pages_for(self, lens: torch.Tensor) -> torch.Tensor:
+        """Pages needed to hold ``lens`` entries (elementwise, int64)."""
+        return (lens.long() + self.page_size - 1) // self.page_size
+
     def pages_of(self, rows: torch.Tensor) -> int:
         """Pages held by ``rows``."""
-        return int(((self.seq_lens[rows].long() + self.page_size - 1) // self.page_size).sum())
+        return int(self.pages_for(self.seq_lens[rows]).sum())
 
     # -- rows -------------------------------------------------------------------------------------
     def new_rows(self, count: int) -> torch.Tensor:
@@ -84,8 +88,7 @@ class PagePool:
 
     def free_rows(self, rows: torch.Tensor) -> None:
         """Return ``rows`` and their pages to the free lists."""
-        for r in rows.tolist():
-            used = -(-int(self.seq_lens[r]) // self.page_size)
+        for r, used in zip(rows.tolist(), self.pages_for(self.seq_lens[rows]).tolist()):
             self.free_pages.extend(self.block_table[r, :used].tolist())
             self.block_table[r] = -1
             self.seq_lens[r] = 0
@@ -94,16 +97,15 @@ class PagePool:
     # -- growing rows -----------------------------------------------------------------------------
     def pages_needed(self, rows: torch.Tensor, new_lens: torch.Tensor) -> int:
         """Pages that :meth:`grow` would take to give ``rows`` lengths ``new_lens``."""
-        have = (self.seq_lens[rows].long() + self.page_size - 1) // self.page_size
-        need = (new_lens.long() + self.page_size - 1) // self.page_size
-        return int((need - have).clamp(min=0).sum())
+        return int((self.pages_for(new_lens) - self.pages_for(self.seq_lens[rows])).clamp(min=0).sum())
 
     def grow(self, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
         """Set the lengths of ``rows [n]`` to ``new_lens [n]`` (>= current), taking pages as needed.
 
         Raises :class:`OutOfPages` (and changes nothing) when the free list is too short.
         """
-        needed = self.pages_needed(rows, new_lens)
+        have, need = self.pages_for(self.seq_lens[rows]), self.pages_for(new_lens)
+        needed = int((need - have).clamp(min=0).sum())
         if needed > len(self.free_pages):
             raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
         longest = int(new_lens.max()) if new_lens.numel() else 0
@@ -111,9 +113,7 @@ class PagePool:
             raise InferenceError(f"a row would hold {longest} entries, more than the model's "
                                  f"{self.max_pages_per_row * self.page_size} positions")
         if needed:
-            have = ((self.seq_lens[rows].long() + self.page_size - 1) // self.page_size).tolist()
-            need = ((new_lens.long() + self.page_size - 1) // self.page_size).tolist()
-            for r, a, b in zip(rows.tolist(), have, need):
+            for r, a, b in zip(rows.tolist(), have.tolist(), need.tolist()):
                 if b > a:
                     pages = [self.free_pages.pop() for _ in range(b - a)]
                     self.block_table[r, a:b] = torch.tensor(pages, dtype=torch.int32)

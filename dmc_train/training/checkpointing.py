@@ -78,7 +78,7 @@ def _pointer_target(root: str) -> Optional[str]:
             name = f.read(4096).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    if not name.startswith("iter_") or os.path.basename(name) != name or not _is_complete(root, name):
+    if os.path.basename(name) != name or not _is_complete(root, name):
         return None
     return name
 
