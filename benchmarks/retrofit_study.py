@@ -1,0 +1,276 @@
+"""Retrofit a base model with DMC, GQA and Fixed Memory Pooling at equal token budgets; compare them.
+
+    python benchmarks/retrofit_study.py                      # the controlled study (preset "study")
+    python benchmarks/retrofit_study.py --preset tiny        # the first comparison, from runs/base_tiny
+    python benchmarks/retrofit_study.py --runs gqa2 dmc2     # a subset; --parallel 2 runs two at a time
+
+Presets:
+- ``study``: base ``runs/base_tiny_long`` (``+recipe=base_tiny_long``, 9.8M tokens; trained here first
+  when missing), every retrofit 240 steps x 4,096 tokens = 0.98M tokens (10 % of the base budget),
+  one LR schedule for every method (cosine 5e-4 -> 5e-5, no warm-up). DMC: zero-out 20 steps, CR
+  ramp over 160 steps, then 60 steps at the target. Runs vary one factor at a time: the target
+  (2x, 4x), the RoPE order (post, pre), the CR-loss form (paper, released), and, for the schedule,
+  DMC's own schedule (constant LR, cosine over the last 60 steps) at 2x.
+- ``tiny``: the first comparison (base ``runs/base_tiny`` from README command 1, 400 steps x
+  8,192 tokens, DMC on its own constant-then-cosine schedule, GQA cosine).
+
+Resumable: a finished run (``eval.json`` of its last checkpoint) is not repeated, an interrupted one
+resumes (``resume=auto``). GQA runs start from ``checkpoints_tools/convert_gqa.py`` output. Prints
+held-out perplexity and the KV-cache compression (DMC and pooling: measured on the test split with
+the hard, inference-time decisions), writes ``results.json`` under the preset's folder in runs/, a
+plot ``docs/retrofit_<preset>.png`` and, for the study, per-head CR heatmaps
+``docs/retrofit_study_heatmaps.png``.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from dmc_train.recipes import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # runs/ and docs/ of this checkout
+
+_DMC = ["+recipe=dmc_tiny"]
+_GQA = ["+recipe=gqa_tiny"]
+_POOL = ["+recipe=dmc_tiny", "method=fixed_pooling"]
+
+PRESETS = {
+    "tiny": {
+        "base": ("runs/base_tiny", ["+recipe=base_tiny"]),
+        "common": {"dmc": [], "gqa": []},
+        "runs": {
+            "dmc2": _DMC + ["method.target_cr=2"],
+            "dmc4": _DMC + ["method.target_cr=4"],
+            "gqa2": _GQA + ["model.num_query_groups=4"],
+            "gqa4": _GQA + ["model.num_query_groups=2"],
+            "pool2": _POOL + ["method.target_cr=2"],
+            "pool4": _POOL + ["method.target_cr=4"],
+        },
+        "title": "Retrofitting base_tiny (3.3M tokens each)",
+    },
+    "study": {
+        "base": ("runs/base_tiny_long", ["+recipe=base_tiny_long"]),
+        # One schedule and one token budget for every method: 240 steps x 16 x 256 tokens.
+        "common": {
+            "all": ["train.max_steps=240", "train.global_batch_size=16", "train.eval_interval=60",
+                    "checkpoint.save_interval=60", "optim.lr=5e-4", "optim.schedule=cosine",
+                    "optim.min_lr_ratio=0.1", "optim.warmup_steps=0"],
+            "dmc": ["checkpoint.init_from=runs/base_tiny_long", "method.zero_out_steps=20",
+                    "method.ramp_steps=160", "method.finetune_steps=0"],
+            "gqa": ["checkpoint.init_from=runs/base_tiny_long_gqa${model.num_query_groups}"],
+        },
+        "runs": {
+            "gqa2": _GQA + ["model.num_query_groups=4"],
+            "dmc2": _DMC + ["method.target_cr=2"],
+            "gqa4": _GQA + ["model.num_query_groups=2"],
+            "dmc4": _DMC + ["method.target_cr=4"],
+            "dmc2_pre": _DMC + ["method.target_cr=2", "method.rope_order=pre"],
+            "dmc4_pre": _DMC + ["method.target_cr=4", "method.rope_order=pre"],
+            "dmc2_released": _DMC + ["method.target_cr=2", "method.cr_loss=released"],
+            "pool2": _POOL + ["method.target_cr=2"],
+            "pool4": _POOL + ["method.target_cr=4"],
+            # DMC's own schedule (constant LR, cosine to 10 % over the 60 steps at the target).
+            "dmc2_dmcsched": _DMC + ["method.target_cr=2", "optim.schedule=constant", "method.finetune_steps=60"],
+        },
+        "title": "Retrofitting base_tiny_long (0.98M tokens each, one LR schedule)",
+    },
+}
+
+
+def run_args(preset: str, name: str) -> list[str]:
+    """The Hydra overrides of run ``name``: its recipe and settings, then the preset's common ones."""
+    p = PRESETS[preset]
+    args = list(p["runs"][name])
+    common = p["common"]
+    family = "gqa" if name.startswith("gqa") else "dmc"
+    extra = [*common.get("all", []), *common[family]]
+    if extra:  # the study names its runs; the tiny preset keeps the recipes' run names
+        extra.append(f"run_name=study_{name}")
+    # A run's own setting wins over the common one (e.g. dmc2_dmcsched's schedule).
+    own = {a.split("=")[0] for a in args}
+    return args + [a for a in extra if a.split("=")[0] not in own]
+
+
+def sh(args: list[str], log: str | None = None, threads: int | None = None) -> subprocess.Popen:
+    """``python <args>`` in the checkout root (``args`` start with ``-m <module>``)."""
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    out = open(log, "a") if log else None
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait(proc: subprocess.Popen, what: str) -> None:
+    if proc.wait() != 0:
+        sys.exit(f"error: {what} failed (exit {proc.returncode}); see its log under runs/logs/")
+
+
+def _eval(run_dir: str) -> dict:
+    with open(os.path.join(ROOT, run_dir, "eval.json")) as f:
+        return json.load(f)
+
+
+def prepare_base(preset: str) -> str:
+    """The preset's base run, trained and evaluated here when missing (the study's; the tiny preset's
+    base is README command 1)."""
+    base, recipe = PRESETS[preset]["base"]
+    if os.path.exists(os.path.join(ROOT, base, "eval.json")):
+        return base
+    if preset == "tiny":
+        sys.exit(f"error: {base} is missing or not evaluated; run README command 1 (launch/quickstart.sh) first")
+    os.makedirs(os.path.join(ROOT, "runs/logs"), exist_ok=True)
+    log = os.path.join(ROOT, "runs/logs/retrofit_base.log")
+    print(f"training the base model {' '.join(recipe)} (log {log})", flush=True)
+    wait(sh(["-m", "launch.pretrain", *recipe, "logging.progress=true"], log), "training the base model")
+    wait(sh(["-m", "launch.evaluate", *recipe], log), "evaluating the base model")
+    return base
+
+
+def convert(base: str, groups: int) -> None:
+    out = f"{base}_gqa{groups}"
+    if not os.path.exists(os.path.join(ROOT, out, "meta.json")):
+        wait(sh(["-m", "checkpoints_tools.convert_gqa", "--input", base, "--output", out, "--groups", str(groups)]),
+             f"GQA conversion to {groups} groups")
+
+
+def train_all(preset: str, names: list[str], parallel: int) -> None:
+    """Train and evaluate every run not finished yet, ``parallel`` at a time (threads split evenly)."""
+    os.makedirs(os.path.join(ROOT, "runs/logs"), exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // parallel)
+    pending = [n for n in names if not os.path.exists(os.path.join(ROOT, run_dir(preset, n), "eval.json"))]
+    active = []
+    t0 = time.time()
+    while pending or active:
+        while pending and len(active) < parallel:
+            name = pending.pop(0)
+            log = os.path.join(ROOT, f"runs/logs/retrofit_{preset}_{name}.log")
+            args = run_args(preset, name)
+            print(f"[{time.time() - t0:6.0f}s] start {name}: {' '.join(args)} (log {log})", flush=True)
+            active.append((name, sh(["-m", "launch.pretrain", *args, "logging.progress=true"], log, threads), log))
+        time.sleep(5)
+        for item in list(active):
+            name, proc, log = item
+            if proc.poll() is not None:
+                active.remove(item)
+                wait(proc, f"training {name}")
+                wait(sh(["-m", "launch.evaluate", *run_args(preset, name)], log, threads), f"evaluating {name}")
+                print(f"[{time.time() - t0:6.0f}s] done {name}", flush=True)
+
+
+def run_dir(preset: str, name: str) -> str:
+    return load_config(run_args(preset, name)).run_dir
+
+
+def results(preset: str, base: str, names: list[str]) -> list[dict]:
+    """One row per run: name, compression, held-out perplexities, per-head CR (DMC/pooling)."""
+    rows = [{"name": "base", "cr": 1.0, **_ppl(_eval(base))}]
+    for name in names:
+        cfg = load_config(run_args(preset, name))
+        ev = _eval(cfg.run_dir)
+        row = {"name": name, **_ppl(ev)}
+        if cfg.method.name == "none":  # GQA: heads / groups
+            row["cr"] = cfg.model.num_attention_heads / cfg.model.num_query_groups
+        else:  # DMC / pooling: measured from the hard decisions on the test split
+            row["cr"] = ev["test_achieved_cr"]
+            row["cr_per_head"] = ev.get("test_achieved_cr_per_head")
+        rows.append(row)
+    return rows
+
+
+def _ppl(ev: dict) -> dict:
+    return {"valid_ppl": ev["valid_ppl"], "test_ppl": ev["test_ppl"]}
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    families = {"dmc": ("DMC (post, paper loss)", lambda n: n in ("dmc2", "dmc4")),
+                "dmc_pre": ("DMC, rope_order=pre", lambda n: n.endswith("_pre")),
+                "gqa": ("GQA", lambda n: n.startswith("gqa")),
+                "pool": ("Fixed Memory Pooling", lambda n: n.startswith("pool"))}
+    ax.axhline(rows[0]["test_ppl"], color="gray", ls="--", lw=1, label="base model (no extra training)")
+    for label, member in families.values():
+        pts = sorted((r["cr"], r["test_ppl"]) for r in rows[1:] if member(r["name"]))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    for r in rows[1:]:  # single-point variants, labelled
+        if r["name"] in ("dmc2_released", "dmc2_dmcsched"):
+            ax.scatter([r["cr"]], [r["test_ppl"]], marker="x", zorder=3)
+            ax.annotate(r["name"], (r["cr"], r["test_ppl"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("KV-cache compression (DMC/pooling: achieved on test)")
+    ax.set_ylabel("test perplexity")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def heatmaps(rows: list[dict], path: str) -> None:
+    """Achieved CR per layer x KV head on the test split, one panel per learned-DMC run (log colour)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = [r for r in rows if r["name"].startswith("dmc") and r.get("cr_per_head")]
+    if not runs:
+        return
+    fig, axes = plt.subplots(1, len(runs), figsize=(2.6 * len(runs), 2.6), squeeze=False)
+    vmax = max(2.0, max(float(np.nanmax(np.asarray(r["cr_per_head"], dtype=float))) for r in runs))
+    norm = matplotlib.colors.LogNorm(vmin=1.0, vmax=vmax)
+    for ax, r in zip(axes[0], runs):
+        data = np.asarray(r["cr_per_head"], dtype=float)
+        im = ax.imshow(data, cmap="viridis", norm=norm, aspect="auto", origin="lower")
+        ax.set_title(f"{r['name']} ({r['cr']:.2f}x)", fontsize=8)
+        ax.set_xlabel("KV head", fontsize=7)
+        ax.set_ylabel("layer", fontsize=7)
+        ax.tick_params(labelsize=6)
+    fig.colorbar(im, ax=axes[0].tolist(), label="CR (log)")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"heatmaps: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="study", choices=list(PRESETS))
+    parser.add_argument("--runs", nargs="+", help="a subset of the preset's runs (default: all)")
+    parser.add_argument("--parallel", type=int, default=2)
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    names = args.runs or list(preset["runs"])
+    unknown = [n for n in names if n not in preset["runs"]]
+    if unknown:
+        sys.exit(f"error: unknown run(s) {', '.join(unknown)} for preset {args.preset}; "
+                 f"choose from {', '.join(preset['runs'])}")
+    base = prepare_base(args.preset)
+    for name in names:
+        if name.startswith("gqa"):
+            convert(base, load_config(run_args(args.preset, name)).model.num_query_groups)
+    train_all(args.preset, names, args.parallel)
+
+    rows = results(args.preset, base, names)
+    print("\nrun            | KV compression | valid ppl | test ppl")
+    for r in rows:
+        print(f"{r['name']:14s} | {r['cr']:14.2f} | {r['valid_ppl']:9.2f} | {r['test_ppl']:8.2f}")
+    out = os.path.join(ROOT, "runs", f"retrofit_{args.preset}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    plot(rows, os.path.join(ROOT, f"docs/retrofit_{args.preset}.png"), preset["title"])
+    if args.preset == "study":
+        heatmaps(rows, os.path.join(ROOT, "docs/retrofit_study_heatmaps.png"))
+
+
+if __name__ == "__main__":
+    main()
