@@ -1,7 +1,7 @@
 """Inference at a fixed KV budget: how many sequences each model fits, decode throughput and per-token
 latency as the context grows, parallel vs token-by-token prefill, and the paged decode cost.
 
-    python benchmarks/inference.py                       # the runs of README command 1 + retrofit_study.py --preset tiny
+    python benchmarks/inference.py              # the runs of README command 1 + retrofit_study.py --preset tiny
     python benchmarks/inference.py --models base=runs/base_tiny dmc2=runs/dmc_tiny_cr2.0 --context 512
 
 Models (``name=checkpoint``, default: every one of these that exists): vanilla ``runs/base_tiny``,
@@ -167,7 +167,8 @@ def main() -> None:
 
     models = dict(m.split("=", 1) for m in args.models) if args.models else default_models()
     if not models:
-        raise SystemExit("error: no checkpoints found; run README command 1 and benchmarks/retrofit_study.py --preset tiny")
+        raise SystemExit("error: no checkpoints found; run README command 1 and "
+                         "benchmarks/retrofit_study.py --preset tiny")
     half = args.context // 2
     results, budget = {}, None
     for name, path in models.items():

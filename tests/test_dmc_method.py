@@ -170,6 +170,8 @@ def test_schedule_stages_and_finetune_lr():
     (["method.cr_loss=mine"], "method.cr_loss='mine' is not one of paper, released"),
     (["method.rope_order=foo"], "method.rope_order='foo' is not one of post, pre"),
     (["method.finetune_steps=5"], "set optim.schedule=constant as the DMC recipes do"),
+    (["method.omega_eps=0"], "method.omega_eps=0.0 must be > 0"),
+    (["method.decision_threshold=inf"], "method.decision_threshold=inf must be a finite number"),
 ])
 def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
     cfg = _dmc_cfg(*overrides)

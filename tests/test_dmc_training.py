@@ -62,6 +62,12 @@ def test_rope_pre_attention_equals_reference(res, mode):
     assert got["post"] > 1e-2
 
 
+def test_decision_threshold_and_omega_eps_reach_the_module(res):
+    got = res["rope_pre"]["options"]
+    assert got["threshold_high_appends"] and got["threshold_low_merges"]
+    assert got["omega_shift"] == pytest.approx(0.5 - 1e-6) and got["omega_shift_max"] == pytest.approx(0.5 - 1e-6)
+
+
 def test_rope_pre_fixed_pooling_and_zero_out(res):
     fixed, zero_out = res["rope_pre"]["fixed"], res["rope_pre"]["zero_out"]
     assert fixed["alpha"] and fixed["ref"] < 1e-5 and fixed["post"] > 1e-2

@@ -146,8 +146,8 @@ class LlamaForInference:
         q_dec = decisions.group_mean(q[..., st.channel].transpose(1, 2), hk).transpose(1, 2)
         if st.shared:
             logit, q_dec = (t.mean(1, keepdim=True).expand_as(t) for t in (logit, q_dec))
-        alpha = torch.where(pos == 0, 0.0, decisions.hard_alpha(logit))
-        return alpha, decisions.importance(q_dec, st.init_offset)
+        alpha = torch.where(pos == 0, 0.0, decisions.hard_alpha(logit, st.decision_threshold))
+        return alpha, decisions.importance(q_dec, st.init_offset, st.omega_eps)
 
     # -- forward ----------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:

@@ -41,6 +41,8 @@ class DMCConfig:
     target_cr: float = 2.0  # compression ratio reached at the end of the ramp (>= 1)
     decision_channel: str = "last"  # last (released code) | first (paper)
     init_offset: float = 5.0  # c0: alpha logit = k[c] - c0, omega = sigmoid(q[c] + c0)
+    omega_eps: float = 1e-6  # added to omega (keeps z > 0); released code: finfo(dtype).eps (bf16 0.0078125)
+    decision_threshold: float = 0.0  # hard alpha = [logit > threshold]; released bf16 inference ~ 0.00785
     tau: float = 0.1  # Gumbel-sigmoid temperature in training
     accumulation: str = "exact"  # exact (full recurrence = inference) | window (paper, w tokens)
     window: int = 12
@@ -67,6 +69,10 @@ class DMCConfig:
             raise ConfigError(f"method.target_cr={d.target_cr} must be >= 1 (1 = no compression)")
         if d.window < 1:
             raise ConfigError(f"method.window={d.window} must be >= 1")
+        if not d.omega_eps > 0:
+            raise ConfigError(f"method.omega_eps={d.omega_eps} must be > 0 (it keeps the normaliser z positive)")
+        if not abs(d.decision_threshold) < float("inf"):
+            raise ConfigError(f"method.decision_threshold={d.decision_threshold} must be a finite number")
         if d.tau <= 0:
             raise ConfigError(f"method.tau={d.tau} must be > 0")
         if min(d.zero_out_steps, d.ramp_steps, d.finetune_steps) < 0:
@@ -113,6 +119,8 @@ class DMCSettings:
 
     channel: int | None
     init_offset: float = 5.0
+    omega_eps: float = 1e-6
+    decision_threshold: float = 0.0
     accumulation: str = "exact"
     window: int = 12
     shared: bool = False
@@ -144,6 +152,8 @@ def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSett
     return DMCSettings(
         channel=None if pooling else (head_dim - 1 if channel == "last" else 0),
         init_offset=float(field("init_offset", 5.0)),
+        omega_eps=float(field("omega_eps", 1e-6)),
+        decision_threshold=float(field("decision_threshold", 0.0)),
         accumulation=str(field("accumulation", "exact")),
         window=int(field("window", 12)),
         shared=field("variant", "dmc") == "hardc",

@@ -74,6 +74,7 @@ class DMCMethod(Method):
                                      form=d.cr_loss)
         self.state = DMCState(
             channel=head_dim - 1 if d.decision_channel == "last" else 0, init_offset=d.init_offset, tau=d.tau,
+            omega_eps=d.omega_eps, decision_threshold=d.decision_threshold,
             accumulation=d.accumulation, window=d.window, attention_impl=d.attention_impl, variant=d.variant,
             rope_order=d.rope_order, noise_seed=cfg.train.seed, dp_rank=ps.get_data_parallel_rank(),
             tracker=self.tracker)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-OMEGA_EPS = 1e-6
+OMEGA_EPS = 1e-6  # the project's default; the released code adds finfo(dtype).eps (bf16: 2^-7)
 
 
 def alpha_logit(key_channel: torch.Tensor, init_offset: float) -> torch.Tensor:
@@ -21,18 +21,18 @@ def alpha_logit(key_channel: torch.Tensor, init_offset: float) -> torch.Tensor:
     return key_channel.float() - init_offset
 
 
-def omega(query_channel: torch.Tensor, num_groups: int, init_offset: float) -> torch.Tensor:
+def omega(query_channel: torch.Tensor, num_groups: int, init_offset: float, eps: float = OMEGA_EPS) -> torch.Tensor:
     """Importance ``sigmoid(mean over the group's query heads of q[c] + c0) + eps`` in fp32.
 
     ``query_channel [..., num_groups * G]`` -> ``[..., num_groups]``.
     """
-    return importance(group_mean(query_channel, num_groups), init_offset)
+    return importance(group_mean(query_channel, num_groups), init_offset, eps)
 
 
-def importance(group_query_channel: torch.Tensor, init_offset: float) -> torch.Tensor:
+def importance(group_query_channel: torch.Tensor, init_offset: float, eps: float = OMEGA_EPS) -> torch.Tensor:
     """``sigmoid(x + c0) + eps`` of the group-averaged query channel (DMC-HardC averages it further
-    over the layer's heads first)."""
-    return torch.sigmoid(group_query_channel + init_offset) + OMEGA_EPS
+    over the layer's heads first). ``eps`` keeps the running normaliser ``z`` > 0."""
+    return torch.sigmoid(group_query_channel + init_offset) + eps
 
 
 def group_mean(query_channel: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -52,15 +52,18 @@ def relaxed_alpha(logit: torch.Tensor, noise: torch.Tensor, tau: float) -> torch
     return torch.sigmoid((logit + noise.to(logit.device)) / tau)
 
 
-def hard_alpha(logit: torch.Tensor) -> torch.Tensor:
-    """Evaluation / inference: ``round(sigmoid(logit)) = [logit > 0]``.
+def hard_alpha(logit: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
+    """Evaluation / inference: ``[logit > threshold]``; at the default 0 that is ``round(sigmoid(logit))``.
+
+    (The released code's bf16 inference rounds a bf16 sigmoid, which accumulates only from
+    ``logit >= 0.00785``: ``threshold=0.00785`` reproduces it.)
 
     When ``logit`` requires grad (and grad mode is on) a straight-through estimator carries the
     sigmoid's gradient; the forward value stays *exactly* 0 or 1 (``hard + (soft - soft.detach())``:
     the bracket is exactly 0, whereas ``hard + soft - soft.detach()`` rounds 1 to 1 - 2^-24 for
     some logits, leaving a merged state visible with bias ~ -16.6 instead of -inf).
     """
-    hard = (logit > 0).to(logit.dtype)
+    hard = (logit > threshold).to(logit.dtype)
     if not torch.is_grad_enabled() or not logit.requires_grad:
         return hard
     soft = torch.sigmoid(logit)

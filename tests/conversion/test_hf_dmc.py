@@ -104,14 +104,18 @@ def test_greedy_generate_and_cache_lengths_match_the_project(exported, hf_model)
     assert len(report["per_layer"]) == 4 and len(report["per_head"][0]) == 4 and report["overall"] > 1.2
 
 
-def test_decisions_equal_the_projects():
+@pytest.mark.parametrize("eps, threshold", [(decisions.OMEGA_EPS, 0.0), (2.0 ** -7, 0.3)])
+def test_decisions_equal_the_projects(eps, threshold):
     gen = torch.Generator().manual_seed(0)
     b, hk, g, n, d, c, c0 = 2, 3, 2, 7, 8, 7, 0.3
     query = torch.randn(b, hk * g, n, d, generator=gen)
     key = torch.randn(b, hk, n, d, generator=gen)
-    alpha, omega = dmc_hf.dmc_decisions(query, key, c, c0)
-    assert torch.equal(alpha, decisions.hard_alpha(decisions.alpha_logit(key[..., c], c0)))
-    assert torch.equal(omega, decisions.omega(query[..., c].transpose(1, 2), hk, c0).transpose(1, 2))
+    alpha, omega = dmc_hf.dmc_decisions(query, key, c, c0, omega_eps=eps, threshold=threshold)
+    logit = decisions.alpha_logit(key[..., c], c0)
+    assert torch.equal(alpha, decisions.hard_alpha(logit, threshold))
+    if threshold:  # the threshold really moves decisions on these inputs
+        assert not torch.equal(alpha, decisions.hard_alpha(logit))
+    assert torch.equal(omega, decisions.omega(query[..., c].transpose(1, 2), hk, c0, eps).transpose(1, 2))
     real = torch.ones(b, hk, n, dtype=torch.bool)
     first, w = dmc_hf.sequence_rules(alpha, omega, real, torch.ones(b, dtype=torch.bool))
     assert torch.equal(first, decisions.first_token_appends(alpha, seq_dim=-1)) and torch.equal(w, omega)
@@ -170,13 +174,15 @@ def test_settings_from_the_method_config():
 
     cfg = load_config(["+recipe=tiny_pretrain", "method=dmc", "method.decision_channel=first",
                        "method.accumulation=window", "method.window=5", "method.variant=hardc",
-                       "method.rope_order=pre"])
+                       "method.rope_order=pre", "method.omega_eps=0.0078125", "method.decision_threshold=0.00785"])
     assert dmc_settings_from_method(cfg.method, 8) == {
-        "dmc_decision_channel": 0, "dmc_init_offset": 5.0, "dmc_accumulation": "window", "dmc_window": 5,
+        "dmc_decision_channel": 0, "dmc_init_offset": 5.0, "dmc_omega_eps": 0.0078125,
+        "dmc_decision_threshold": 0.00785, "dmc_accumulation": "window", "dmc_window": 5,
         "dmc_shared_decisions": True, "dmc_rope_order": "pre"}
     as_dict = {"name": "dmc", "decision_channel": "last", "init_offset": 0.5, "zero_out_steps": 10}
     assert dmc_settings_from_method(as_dict, 8, step=11)["dmc_decision_channel"] == 7  # meta.json's dict
-    assert dmc_settings_from_method(as_dict, 8, step=11)["dmc_rope_order"] == "post"  # saved before the option
+    older = dmc_settings_from_method(as_dict, 8, step=11)  # saved before these options existed
+    assert (older["dmc_rope_order"], older["dmc_omega_eps"], older["dmc_decision_threshold"]) == ("post", 1e-6, 0.0)
     with pytest.raises(ConfigError, match="zero-out stage"):  # step 10's rows are zeroed as step 10 starts
         dmc_settings_from_method(as_dict, 8, step=10)
     with pytest.raises(ConfigError, match="only DMC models"):

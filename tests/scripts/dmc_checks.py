@@ -9,7 +9,8 @@ Scenarios (tiny model, GQA 4 groups, zero-out 2 + ramp 2 + finetune 2 steps):
   fixed_pool    the Fixed Memory Pooling ablation trains and evaluates
   rope_pre      method.rope_order=pre: one DMC attention module against
                 kernels.dmc.reference_pre_rope_dmc_attention (eval/hard, train/soft, fixed pooling),
-                against rope_order=post, and in the zero-out phase
+                against rope_order=post, and in the zero-out phase; method.decision_threshold and
+                method.omega_eps reach the module's evaluation decisions
   pre           the uninterrupted run with method.rope_order=pre, and the same run stopped after 3
                 steps and resumed
 """
@@ -93,7 +94,17 @@ def rope_pre_module(trainer) -> dict:
                          "same_decisions": bool(torch.equal(alpha, decided_post[0])),
                          "hard": bool(((alpha == 0) | (alpha == 1)).all()),
                          "appends": float((alpha < 0.5).float().mean())}
-        att.eval()
+        att.eval()  # the released code's options reach the module's hard decisions and importance
+        _, base = module_out("post")
+        state.decision_threshold, state.omega_eps = 1e9, 0.5
+        _, never = module_out("post")
+        state.decision_threshold = -1e9
+        _, always = module_out("post")
+        state.decision_threshold, state.omega_eps = 0.0, 1e-6
+        res["options"] = {"threshold_high_appends": bool((never[0] == 0).all()),
+                          "threshold_low_merges": bool((always[0][..., 1:] == 1).all()),
+                          "omega_shift": float((never[1] - base[1]).min()),
+                          "omega_shift_max": float((never[1] - base[1]).max())}
         state.phase, state.pool = "fixed", 2
         pre, decided = module_out("pre")
         res["fixed"] = {"ref": float((pre - reference(decided, False)).abs().max()),

@@ -22,8 +22,8 @@ from dmc_train.methods.configs import dmc_settings
 MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling_dmc_llama.py")
 MODULE = "modeling_dmc_llama"
 AUTO_MAP = {"AutoConfig": f"{MODULE}.DMCLlamaConfig", "AutoModelForCausalLM": f"{MODULE}.DMCLlamaForCausalLM"}
-DMC_FIELDS = ("dmc_decision_channel", "dmc_init_offset", "dmc_accumulation", "dmc_window", "dmc_shared_decisions",
-              "dmc_rope_order")
+DMC_FIELDS = ("dmc_decision_channel", "dmc_init_offset", "dmc_omega_eps", "dmc_decision_threshold",
+              "dmc_accumulation", "dmc_window", "dmc_shared_decisions", "dmc_rope_order")
 
 MODEL_CARD = """\
 # DMC model (Dynamic Memory Compression)
@@ -66,6 +66,8 @@ def dmc_settings_from_method(method: Any, head_dim: int, step: int | None = None
     return {
         "dmc_decision_channel": settings.channel,
         "dmc_init_offset": settings.init_offset,
+        "dmc_omega_eps": settings.omega_eps,
+        "dmc_decision_threshold": settings.decision_threshold,
         "dmc_accumulation": settings.accumulation,
         "dmc_window": settings.window,
         "dmc_shared_decisions": settings.shared,

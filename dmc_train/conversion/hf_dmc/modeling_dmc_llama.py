@@ -56,6 +56,8 @@ class DMCLlamaConfig(LlamaConfig):
 
     dmc_decision_channel: int | None = None
     dmc_init_offset: float = 5.0
+    dmc_omega_eps: float = 1e-6  # added to omega (keeps the running normaliser positive)
+    dmc_decision_threshold: float = 0.0  # alpha = [k[c] - c0 > threshold]
     dmc_accumulation: str = "exact"
     dmc_window: int = 12
     dmc_shared_decisions: bool = False  # DMC-HardC: one decision / importance per layer, shared by its heads
@@ -80,19 +82,20 @@ class DMCLlamaConfig(LlamaConfig):
 # Decisions (the project's kernels/dmc/decisions.py, restated)
 # ----------------------------------------------------------------------------------------------
 def dmc_decisions(query: torch.Tensor, key: torch.Tensor, channel: int, init_offset: float,
-                  shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  shared: bool = False, omega_eps: float = OMEGA_EPS,
+                  threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Hard ``alpha``, ``omega [B, H_kv, q]`` (fp32) from pre-RoPE ``query [B, H, q, d]``, ``key [B, H_kv, q, d]``.
 
-    ``alpha = [k[c] - c0 > 0]`` in {0., 1.}; ``omega = sigmoid(mean_G q[c] + c0) + 1e-6``. The
-    first-token rule is applied by the cache (it knows which token is a sequence's first).
+    ``alpha = [k[c] - c0 > threshold]`` in {0., 1.}; ``omega = sigmoid(mean_G q[c] + c0) + omega_eps``.
+    The first-token rule is applied by the cache (it knows which token is a sequence's first).
     """
     logit = key[..., channel].float() - init_offset
     q_mean = query[..., channel].float().unflatten(1, (key.shape[1], -1)).mean(2)
     if shared:
         logit = logit.mean(1, keepdim=True).expand_as(logit)
         q_mean = q_mean.mean(1, keepdim=True).expand_as(q_mean)
-    alpha = (logit > 0).float()
-    return alpha, torch.sigmoid(q_mean + init_offset) + OMEGA_EPS
+    alpha = (logit > threshold).float()
+    return alpha, torch.sigmoid(q_mean + init_offset) + omega_eps
 
 
 def sequence_rules(alpha: torch.Tensor, omega: torch.Tensor, real: torch.Tensor,
@@ -365,7 +368,8 @@ class DMCLlamaAttention(LlamaAttention):
         key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         c = cfg.dmc_decision_channel
-        alpha, omega = dmc_decisions(query, key, c, cfg.dmc_init_offset, cfg.dmc_shared_decisions)
+        alpha, omega = dmc_decisions(query, key, c, cfg.dmc_init_offset, cfg.dmc_shared_decisions,
+                                     cfg.dmc_omega_eps, cfg.dmc_decision_threshold)
         keep = torch.ones(self.head_dim, dtype=query.dtype, device=query.device)
         keep[c] = 0
         cos, sin = position_embeddings

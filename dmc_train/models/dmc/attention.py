@@ -58,6 +58,8 @@ class DMCState:
 
     channel: int  # decision channel index within a head
     init_offset: float = 5.0
+    omega_eps: float = 1e-6  # added to omega
+    decision_threshold: float = 0.0  # hard (evaluation) alpha = [logit > threshold]
     tau: float = 0.1
     accumulation: str = "exact"
     window: int = 12
@@ -125,7 +127,7 @@ class DMCSelfAttention(SelfAttention):
         q_dec = decisions.group_mean(query[..., c], alpha_logit.shape[-1])  # [s, b, g]
         if st.variant == "hardc":  # one decision and one importance per layer, shared by all heads
             alpha_logit, q_dec = _mean_over_heads(alpha_logit), _mean_over_heads(q_dec)
-        omega = decisions.importance(q_dec, st.init_offset)
+        omega = decisions.importance(q_dec, st.init_offset, st.omega_eps)
         alpha = self._alpha(alpha_logit, shared_noise=st.variant == "hardc")
         alpha = decisions.first_token_appends(alpha, seq_dim=0).permute(1, 2, 0)  # [b, g, s]
         query, key = query * keep, key * keep
@@ -155,7 +157,7 @@ class DMCSelfAttention(SelfAttention):
     def _alpha(self, logit: torch.Tensor, shared_noise: bool = False) -> torch.Tensor:
         """Accumulate probabilities ``[s, b, g]`` from logits (module docstring), in fp32."""
         if not self.training:
-            return decisions.hard_alpha(logit)
+            return decisions.hard_alpha(logit, self.dmc.decision_threshold)
         # Noise for all KV heads of the layer, so every TP layout sees the same values.
         noise = decisions.gumbel_difference((*logit.shape[:2], self.config.num_query_groups),
                                             self._noise_generator())
