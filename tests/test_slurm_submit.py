@@ -168,6 +168,8 @@ def test_dry_run_prints_and_does_not_submit(tmp_path, fakes):
     (dict(array="0-3;rm"), "--array="),
     (dict(setup=["echo a\necho b"]), "newlines"),
     (dict(workdir="/nonexistent/dmc_train_work"), "--workdir=/nonexistent/dmc_train_work is not a directory"),
+    (dict(partition=""), "--partition is empty; give a value or leave the option out (the cluster's default"),
+    (dict(account=" "), "--account is empty"),
 ])
 def test_bad_options_fail_in_one_line_without_sbatch(tmp_path, fakes, kw, message):
     out, err = io.StringIO(), io.StringIO()
@@ -175,6 +177,13 @@ def test_bad_options_fail_in_one_line_without_sbatch(tmp_path, fakes, kw, messag
     lines = err.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert out.getvalue() == "" and calls(fakes / "sbatch") == []
+
+
+def test_missing_partition_means_the_cluster_default(tmp_path, fakes):
+    out, err = io.StringIO(), io.StringIO()
+    assert slurm.run(spec(tmp_path, partition=None), dry_run=True, out=out, err=err) == 0
+    assert "--partition" not in out.getvalue()
+    assert "no --partition: the job goes to the cluster's default partition" in err.getvalue()
 
 
 def test_cli_exit_code_and_one_line(tmp_path, fakes):

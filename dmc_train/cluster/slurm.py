@@ -125,6 +125,11 @@ def _check_options(spec: JobSpec) -> None:
         raise SubmitError(f"--port={spec.port} must be in 1024..65535")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise SubmitError(f"--cpus-per-task={spec.cpus_per_task} must be >= 1")
+    for option, value in (("partition", spec.partition), ("account", spec.account),
+                          ("constraint", spec.constraint), ("job-name", spec.job_name)):
+        if value is not None and not value.strip():
+            raise SubmitError(f"--{option} is empty; give a value or leave the option out"
+                              + (" (the cluster's default partition)" if option == "partition" else ""))
     texts = [spec.time, spec.partition, spec.account, spec.constraint, spec.job_name, spec.array,
              spec.log_dir, spec.run_dir, *spec.setup, *spec.srun_args, *spec.sbatch_args, *spec.overrides]
     if any(t and ("\n" in t or "\r" in t) for t in texts):
@@ -320,6 +325,9 @@ def run(spec: JobSpec, dry_run: bool = False, out=None, err=None) -> int:
     _, warn = _estimate_line(spec, cfg)
     if warn:
         print(f"warning: {warn}", file=err)
+    if spec.partition is None:
+        print("note: no --partition: the job goes to the cluster's default partition (sbatch refuses it if the "
+              "cluster has none)", file=err)
     resume = _user_value(spec.overrides, "checkpoint.resume")
     if resume not in (None, "auto"):
         print(f"warning: checkpoint.resume={resume}: a requeued job will not continue from its own "
