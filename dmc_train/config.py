@@ -168,12 +168,22 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
 
 
 _MIN_VALUES = {
+    "model.num_layers": 1,
+    "model.hidden_size": 1,
+    "model.ffn_hidden_size": 1,
+    "model.num_attention_heads": 1,
+    "model.vocab_size": 2,
+    "train.seq_length": 1,
+    "train.global_batch_size": 1,
     "train.micro_batch_size": 1,
     "train.log_interval": 1,
     "train.max_nonfinite_steps": 1,
     "train.eval_interval": 0,
     "checkpoint.save_interval": 0,
+    "optim.warmup_steps": 0,
 }
+_ZERO_MEANS = {"train.eval_interval": "never", "checkpoint.save_interval": "only at the end",
+               "optim.warmup_steps": "no warm-up"}
 
 
 def check_ranges(cfg: Any) -> None:
@@ -184,8 +194,7 @@ def check_ranges(cfg: Any) -> None:
     for key, low in _MIN_VALUES.items():
         value = OmegaConf.select(cfg, key)
         if value < low:
-            meaning = " (0 = never)" if low == 0 and key != "checkpoint.save_interval" else (
-                " (0 = only at the end)" if low == 0 else "")
+            meaning = f" (0 = {_ZERO_MEANS[key]})" if key in _ZERO_MEANS else ""
             raise ConfigError(f"{key}={value} is not allowed; use an integer >= {low}{meaning}")
 
 

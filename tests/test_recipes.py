@@ -74,6 +74,9 @@ def test_unknown_key_is_rejected():
     (["checkpoint.save_interval=-1"], "checkpoint.save_interval=-1 is not allowed; use an integer >= 0"),
     (["train.eval_interval=-5"], "train.eval_interval=-5 is not allowed; use an integer >= 0"),
     (["train.max_nonfinite_steps=0"], "train.max_nonfinite_steps=0 is not allowed; use an integer >= 1"),
+    (["model.vocab_size=0"], "model.vocab_size=0 is not allowed; use an integer >= 2"),
+    (["model.num_attention_heads=0"], "model.num_attention_heads=0 is not allowed; use an integer >= 1"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1 is not allowed; use an integer >= 0"),
 ])
 def test_invalid_values_name_the_field(override, message):
     cfg = load_config(["+recipe=tiny_pretrain", *override])
