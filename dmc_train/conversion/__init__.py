@@ -7,7 +7,15 @@ from typing import Optional
 
 import torch
 
-from dmc_train.errors import ConfigError
+from dmc_train.errors import CheckpointError, ConfigError
+
+#: The logit check every conversion runs before publishing (import and export): on the fixed prompt of
+#: :func:`verification_tokens`, ``max |logits - reference| / max(1, max |reference|)`` must not exceed this,
+#: by the dtype the converted weights are stored in. Both sides compute in fp32, so the difference
+#: measures the rounding of the stored weights (and, in fp32, of two implementations' summation
+#: orders); a mapping error (a head in the wrong group, swapped gate/up) moves logits by their own scale.
+LOGIT_TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def check_output(out: str, overwrite: bool, src: Optional[str] = None) -> None:
@@ -32,3 +40,21 @@ def load_llama(directory: str) -> torch.nn.Module:
 
     hf_logging.disable_progress_bar()
     return LlamaForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32).eval()
+
+
+def check_logits(logits: torch.Tensor, reference: torch.Tensor, dtype: str, failure: str,
+                 fix: str = "nothing was written") -> dict:
+    """Compare ``logits`` with ``reference`` (same shape) under :data:`LOGIT_TOLERANCE` for ``dtype``
+    (``float32``/``bfloat16``/``float16`` or ``fp32``/``bf16``/``fp16``). Returns ``{"max_abs_logit_diff",
+    "relative_error", "tolerance"}``; over the tolerance, a one-line CheckpointError that starts with
+    ``failure`` (what differs from what), gives the numbers and ends with ``fix``."""
+    tol = LOGIT_TOLERANCE[_DTYPE_NAMES.get(dtype, dtype)]
+    if logits.shape != reference.shape:
+        raise CheckpointError(f"{failure}: logits of shape {tuple(logits.shape)} vs {tuple(reference.shape)}; "
+                              f"{fix}")
+    diff = float((logits.float() - reference.float()).abs().max())
+    relative = diff / max(1.0, float(reference.float().abs().max()))
+    if not relative <= tol:  # NaN fails too
+        raise CheckpointError(f"{failure} by {relative:.2e} (max |diff| {diff:.3g} / max(1, max |logit|); "
+                              f"tolerance {tol:.0e} for {dtype}); {fix}")
+    return {"max_abs_logit_diff": diff, "relative_error": relative, "tolerance": tol}

@@ -1,6 +1,6 @@
 """Import a Hugging Face ``LlamaForCausalLM`` directory as a weights-only checkpoint of this project.
 
-    import_hf("llama-2-7b-hf", "runs/inits/llama2_7b")     # one process, TP=1
+    import_hf("llama-2-7b-hf", "runs/inits/llama2_7b")     # one process
     python launch/pretrain.py ... checkpoint.init_from=runs/inits/llama2_7b   # any TP/PP layout
 
 What :func:`import_hf` does, in order (nothing is left at ``out`` unless every step passed):
@@ -9,42 +9,56 @@ What :func:`import_hf` does, in order (nothing is left at ``out`` unless every s
    refuses what the project's Llama cannot represent); every weight shard is opened (headers checked).
 2. The tokenizer (``tokenizer.model`` and/or ``tokenizer.json`` + its config files) is copied and
    loaded; a vocabulary larger than the model's ``vocab_size`` is refused.
-3. Our model (TP=1) is filled parameter by parameter (:func:`load_hf_into_model`, every tensor's
-   shape checked) and saved with ``save_weights`` to ``<out>.importing``; ``meta.json`` records
-   ``hf_source``, ``hf_config``, ``tie_word_embeddings`` and ``tokenizer``, and the saved config's
-   ``data.tokenizer`` points at ``<out>/tokenizer``.
-4. Reference logits of the Hugging Face model (transformers, fp32) on a fixed prompt, then the saved
-   checkpoint is reloaded (``load_model``) and its logits compared (fp32: 1e-4). One model is in
-   memory at a time. Only then is ``<out>.importing`` renamed to ``out``.
+3. The checkpoint is written to ``<out>.importing`` tensor by tensor, without building the model
+   (:func:`~dmc_train.training.streaming_checkpoint.save_weights_streaming`): each megatron tensor is
+   made from its Hugging Face tensor(s) (:func:`~dmc_train.training.hf_loading.full_tensor`: q/k/v merged
+   by query group, fc1 = [gate; up], every shape checked), written and dropped. The files are those a
+   TP=1 model saved with ``save_weights`` would have; ``meta.json`` records ``hf_source``, ``hf_config``,
+   ``tie_word_embeddings`` and ``tokenizer``, and the saved config's ``data.tokenizer`` points at
+   ``<out>/tokenizer``.
+4. :func:`verify_import`: logits on a fixed prompt from the Hugging Face tensors and from the tensors
+   read back from ``<out>.importing``, compared under :data:`~dmc_train.conversion.LOGIT_TOLERANCE`.
+   By default (``verify="streaming"``) both come from the plain-torch layer-by-layer forward
+   (:func:`~dmc_train.models.llama_reference.streaming_logits`): the reference reads the Hugging Face
+   tensors by their own names, ours reads the checkpoint's fused tensors and splits them back
+   (:func:`~dmc_train.models.llama_weights.megatron_to_hf`), so a layout error or a corrupt written
+   tensor shows, and neither model is ever whole in memory. ``verify="full"`` instead compares
+   transformers' ``LlamaForCausalLM`` with our megatron model reloaded by ``load_model`` (one model
+   in memory at a time; fine for small models). Only then is ``<out>.importing`` renamed to ``out``.
+
+Memory: the largest tensor (two for a fused one while it is merged) or one layer, plus the start-up
+of torch and megatron; ``benchmarks/convert.py`` measures it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import OmegaConf
 
 from dmc_train import distributed
 from dmc_train.config import kv_groups
-from dmc_train.conversion import check_output, load_llama, verification_tokens
+from dmc_train.conversion import check_logits, check_output, load_llama, verification_tokens
 from dmc_train.data.tokenizer import load_tokenizer
-from dmc_train.errors import CheckpointError, ConfigError, DataError
+from dmc_train.errors import ConfigError, DataError
 from dmc_train.models.hf_config import model_config_from_hf
-from dmc_train.models.llama import build_model
+from dmc_train.models.llama_reference import streaming_logits
+from dmc_train.models.llama_weights import megatron_name, megatron_to_hf
 from dmc_train.recipes import load_config
-from dmc_train.training.checkpointing import replace_dir, save_weights
+from dmc_train.training.checkpointing import replace_dir
 from dmc_train.training.forward import logits
-from dmc_train.training.hf_loading import HFWeights, load_hf_into_model, read_hf_config
+from dmc_train.training.hf_loading import HFWeights, full_tensor, read_hf_config
 from dmc_train.training.model_loading import load_model
+from dmc_train.training.streaming_checkpoint import CheckpointTensors, checkpoint_config, save_weights_streaming
 
-__all__ = ["import_hf", "hf_run_config", "TOKENIZER_FILES", "TOLERANCE"]
+__all__ = ["import_hf", "verify_import", "hf_run_config", "hf_fetch", "checkpoint_fetch", "TOKENIZER_FILES", "VERIFY"]
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}  # max |ours - HF| / max(1, max |HF|), logits
+VERIFY = ("streaming", "full")
 
 
 def hf_run_config(hf: dict, dtype: str = "fp32", tokenizer: str | None = None) -> Any:
@@ -89,46 +103,81 @@ def _hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def hf_fetch(weights: HFWeights, tied: bool) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """:func:`~dmc_train.models.llama_reference.streaming_logits`'s ``fetch`` over a Hugging Face
+    directory (a tied model's ``lm_head.weight`` is its embedding)."""
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: weights.get("model.embed_tokens.weight" if n == "lm_head.weight" and tied and n not in weights
+                               else n) for n in names}
+    return fetch
+
+
+def checkpoint_fetch(ckpt: str, cfg: Any) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """``fetch`` over a checkpoint of ours: the megatron tensors holding the asked Hugging Face names are
+    read (:class:`~dmc_train.training.streaming_checkpoint.CheckpointTensors`) and split back into Hugging
+    Face tensors (:func:`~dmc_train.models.llama_weights.megatron_to_hf`)."""
+    reader = CheckpointTensors(ckpt, cfg)
+    heads, groups = cfg.model.num_attention_heads, kv_groups(cfg.model)
+
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+        fused = list(dict.fromkeys(megatron_name(n) for n in names))
+        hf = megatron_to_hf(reader.read(fused), heads, groups)
+        return {n: hf[n] for n in names}
+    return fetch
+
+
+def verify_import(hf_dir: str, ckpt: str, dtype: str = "fp32", verify: str = "streaming") -> dict:
+    """Compare the logits of the imported checkpoint ``ckpt`` with those of ``hf_dir`` on the fixed prompt
+    (module docstring, step 4); returns :func:`~dmc_train.conversion.check_logits`' numbers, one-line
+    CheckpointError when over the tolerance. One process, distributed state at TP=1 PP=1."""
+    if verify not in VERIFY:
+        raise ConfigError(f"verify={verify!r} is not one of {', '.join(VERIFY)}")
+    cfg = checkpoint_config(ckpt)
+    tokens = verification_tokens(cfg.model.vocab_size, cfg.model.max_position_embeddings)
+    if verify == "streaming":
+        hf = read_hf_config(hf_dir)
+        reference = streaming_logits(hf_fetch(HFWeights(hf_dir), bool(hf.get("tie_word_embeddings", False))),
+                                     cfg.model, tokens)
+        ours = streaming_logits(checkpoint_fetch(ckpt, cfg), cfg.model, tokens)
+    else:  # one model in memory at a time: the HF reference is freed before ours is loaded
+        reference = _hf_logits(hf_dir, tokens)
+        loaded = load_model(ckpt)
+        ours = logits(loaded.model, tokens).float()
+        del loaded
+    return check_logits(ours, reference, dtype, "the imported model's logits differ from the Hugging Face model's",
+                        f"{hf_dir} is not a standard Llama checkpoint or what was written is corrupt - nothing "
+                        f"was written")
+
+
 def _remove(*paths: str) -> None:
     for p in paths:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32") -> str:
+def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32", verify: str = "streaming") -> str:
     """Import the Hugging Face Llama directory ``hf_dir`` into the weights-only checkpoint ``out``
-    (loadable at any layout with ``checkpoint.init_from``). One process; returns ``out``."""
+    (loadable at any layout with ``checkpoint.init_from``), verified with ``verify`` (``streaming``
+    or ``full``, :func:`verify_import`). One process; returns ``out``."""
     hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
     hf = read_hf_config(hf_dir)
     check_output(out, overwrite, hf_dir)
     cfg = hf_run_config(hf, dtype)
-    HFWeights(hf_dir)  # every shard opened: a missing or truncated one fails before any work
+    if verify not in VERIFY:
+        raise ConfigError(f"verify={verify!r} is not one of {', '.join(VERIFY)}")
+    weights = HFWeights(hf_dir)  # every shard opened: a missing or truncated one fails before any work
     staging, tok_tmp = out + ".importing", out + ".tokenizer.tmp"
     _remove(staging, staging + ".tmp", tok_tmp)
     try:
         tok_rel = _copy_tokenizer(hf_dir, tok_tmp, cfg.model.vocab_size)
         cfg.data.tokenizer = os.path.join(out, tok_rel) if tok_rel else None
         distributed.initialize(1, 1, None, cfg.train.seed)
-        chunks = build_model(cfg)
-        load_hf_into_model(hf_dir, chunks, cfg)
         tied = bool(hf.get("tie_word_embeddings", False))
-        save_weights(cfg, chunks, staging, {"hf_source": hf_dir, "hf_config": hf, "tie_word_embeddings": tied,
-                                            "tokenizer": cfg.data.tokenizer})
-        del chunks
+        save_weights_streaming(cfg, lambda name, shape: full_tensor(weights, name, shape, cfg, tied), staging,
+                               {"hf_source": hf_dir, "hf_config": hf, "tie_word_embeddings": tied,
+                                "tokenizer": cfg.data.tokenizer})
         if tok_rel:
             os.rename(tok_tmp, os.path.join(staging, "tokenizer"))
-
-        # One model in memory at a time: ours is freed before the HF reference is built, and the
-        # reference before ours is reloaded.
-        tokens = verification_tokens(cfg.model.vocab_size, cfg.model.max_position_embeddings)
-        reference = _hf_logits(hf_dir, tokens)
-        loaded = load_model(staging)
-        ours = logits(loaded.model, tokens).float()
-        del loaded
-        err = (ours - reference).abs().max().item() / max(1.0, reference.abs().max().item())
-        if not err <= TOLERANCE[dtype]:
-            raise CheckpointError(f"the imported model's logits differ from the Hugging Face model's by {err:.2e} "
-                                  f"(relative, tolerance {TOLERANCE[dtype]:.0e}); {hf_dir} is not a standard Llama "
-                                  f"checkpoint - nothing was written")
+        verify_import(hf_dir, staging, dtype, verify)
         replace_dir(staging, out)  # --overwrite: the old one goes only now that the new one is complete
     except BaseException:
         _remove(staging, staging + ".tmp", tok_tmp)

@@ -27,7 +27,7 @@ import torch
 from dmc_train.models.shape import count_parameters, layer_parameters  # re-exported (__all__)
 
 __all__ = ["qkv_by_group", "split_qkv", "merge_qkv", "split_fc1", "merge_fc1", "MEGATRON_TO_HF",
-           "HF_TO_MEGATRON", "hf_names", "megatron_to_hf", "hf_to_megatron", "count_parameters",
+           "HF_TO_MEGATRON", "hf_names", "megatron_name", "megatron_to_hf", "hf_to_megatron", "count_parameters",
            "layer_parameters"]
 
 
@@ -131,6 +131,15 @@ def hf_names(megatron_name: str) -> tuple[str, ...]:
     if template not in MEGATRON_TO_HF:
         raise KeyError(f"no Hugging Face name for megatron parameter {megatron_name!r}")
     return tuple(n.format(i=layer) for n in MEGATRON_TO_HF[template])
+
+
+def megatron_name(hf_name: str) -> str:
+    """The megatron-core name of the tensor that holds the Hugging Face tensor ``hf_name`` (for q/k/v the
+    fused ``linear_qkv``, for gate/up ``linear_fc1``); KeyError if it has none."""
+    template, layer = _template(hf_name, "model.layers.")
+    if template not in HF_TO_MEGATRON:
+        raise KeyError(f"no megatron name for Hugging Face parameter {hf_name!r}")
+    return HF_TO_MEGATRON[template][0].format(i=layer)
 
 
 def _splitter(name: str, num_heads: int, num_groups: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:

@@ -83,6 +83,11 @@ class HFWeights:
     ``pytorch_model.bin`` and sharded ``.bin`` with ``pytorch_model.bin.index.json`` (memory-mapped,
     ``weights_only``). Every shard is opened (headers validated) up front, so a missing or truncated
     shard fails before any weight is copied. :meth:`get` returns the stored tensor (its stored dtype).
+
+    No shard stays open: :meth:`get` opens the shard, takes the one tensor and lets the handle go. A
+    handle maps its whole file, and every page read through it stays in the process's resident set
+    until the handle is closed, so holding the handles would make reading all tensors cost the whole
+    model in RSS. This way only the tensors the caller still holds are resident.
     """
 
     def __init__(self, hf_dir: str):
@@ -90,7 +95,6 @@ class HFWeights:
         if not os.path.isdir(hf_dir):
             raise CheckpointError(f"Hugging Face model directory {hf_dir} does not exist")
         self._where: dict[str, str] = {}  # tensor name -> shard file name
-        self._handles: dict[str, Any] = {}
         for index, single in ((SAFETENSORS_INDEX, SAFETENSORS), (BIN_INDEX, BIN)):
             if os.path.isfile(os.path.join(hf_dir, index)):
                 self._where = self._read_index(index)
@@ -118,8 +122,6 @@ class HFWeights:
         return dict(weight_map)
 
     def _open(self, shard: str):
-        if shard in self._handles:
-            return self._handles[shard]
         path = os.path.join(self.dir, shard)
         if not os.path.isfile(path):
             raise CheckpointError(f"weight shard {path} is missing; download it (the index lists it)")
@@ -138,7 +140,6 @@ class HFWeights:
             msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise CheckpointError(f"weight shard {path} cannot be read ({msg}); it is truncated or corrupt - "
                                   f"re-download it") from None
-        self._handles[shard] = handle
         return handle
 
     def names(self) -> list[str]:

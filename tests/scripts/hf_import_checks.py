@@ -114,15 +114,17 @@ def imports(out_path: str, *pairs: str) -> None:
 
 
 def errors(out_path: str, *cases: str) -> None:
+    from dmc_train import conversion
     from dmc_train.conversion import hf_import
     from dmc_train.errors import UserError
 
     res = {}
+    fp32 = conversion.LOGIT_TOLERANCE["float32"]
     for case in cases:
         name, hf_dir = case.split("=", 1)
         out = hf_dir + "_out"
         # "verify": a good model with a tolerance no result meets, so the final logit check fails
-        hf_import.TOLERANCE["fp32"] = -1.0 if name == "verify" else 1e-4
+        conversion.LOGIT_TOLERANCE["float32"] = -1.0 if name == "verify" else fp32
         try:
             hf_import.import_hf(hf_dir, out)
             res[name] = {"error": None}
