@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Callable
 
-from dmc_train.errors import TrainingDiverged, UserError, one_line
+from dmc_train.errors import ConfigError, TrainingDiverged, UserError, one_line
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
+# Under torchrun the first rank to exit gets the others killed: ranks other than 0 wait this long before
+# reporting their error, so an error every rank hits is printed once, by rank 0.
+OTHER_RANKS_WAIT_S = 5.0
 
 
 def precheck(argv: list[str], config_name: str = "config") -> Any:
@@ -51,8 +55,10 @@ def hydra_main(task: Callable[[Any], None], config_name: str = "config", lock_ru
     the checkout's ``recipes/`` or the installed package's copy), so the entry point works as
     ``python launch/<name>.py``, ``python -m launch.<name>``, under ``torchrun`` and as a console
     script. An invalid config ends in one line (exit code 2) before Hydra starts. With ``lock_run_dir``
-    a single process takes the run directory's lock before Hydra writes into it, and a run directory in
-    use by another run ends in one line (the training loop takes the lock on every layout).
+    (training) every rank also validates the config for its world size and checks that the run directory
+    is writable, and a single process takes the run directory's lock, all before Hydra starts (the
+    training loop takes the lock on every layout). Hydra writes nothing into the run directory
+    (``recipes/config.yaml``), so a rejected run leaves nothing behind.
     """
     import hydra
 
@@ -63,30 +69,38 @@ def hydra_main(task: Callable[[Any], None], config_name: str = "config", lock_ru
     register_schema()
     cfg = precheck(sys.argv[1:], config_name)
     if lock_run_dir and cfg is not None:
-        lock_before_hydra(cfg)
+        check_before_hydra(cfg)
     hydra.main(config_path=recipes_dir(), config_name=config_name, version_base=None)(task)()
 
 
-def lock_before_hydra(cfg: Any) -> None:
-    """A single process: take ``cfg.run_dir``'s lock now, so a run directory in use fails before Hydra
-    writes its output there. Skipped when the run directory depends on the time (``${now:...}``: Hydra
-    resolves it again) and on several processes (the training loop takes the lock and tells every rank)."""
+def check_before_hydra(cfg: Any) -> None:
+    """Every rank: validate ``cfg`` for the launch's world size and check that the run directory can be
+    written; a single process also takes ``cfg.run_dir``'s lock now. The lock is skipped when the run
+    directory depends on the time (``${now:...}``: Hydra resolves it again) and on several processes
+    (the training loop takes the lock and tells every rank)."""
     from omegaconf import OmegaConf
 
     from dmc_train.distributed import read_launch_env
+    from dmc_train.recipes import validate
     from dmc_train.training import run_lock
 
-    if read_launch_env().world_size != 1 or "${now:" in OmegaConf.to_yaml(cfg):
-        return
+    world_size = read_launch_env().world_size
     try:
-        run_lock.acquire(cfg.run_dir)
+        validate(cfg, world_size)
+        if "${now:" in OmegaConf.to_yaml(cfg):
+            return
+        run_lock.check_writable(cfg.run_dir)
+        if world_size == 1:
+            run_lock.acquire(cfg.run_dir)
     except UserError as e:
-        fail(str(e))
+        fail(f"config error: {e}" if isinstance(e, ConfigError) else str(e))
 
 
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:  # see OTHER_RANKS_WAIT_S: torchrun stops this rank here if rank 0 reported the same error
+        time.sleep(OTHER_RANKS_WAIT_S)
+    print(f"error: {message}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
     sys.exit(code)
 
 

@@ -253,6 +253,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def first_message(message: str | None) -> str | None:
+    """Collective: the first non-None ``message`` in rank order (e.g. an error one rank hit), on every rank."""
+    if not dist.is_initialized():
+        return message
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m is not None), None)
+
+
 def shutdown() -> None:
     from megatron.core import parallel_state
 

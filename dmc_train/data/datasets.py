@@ -167,6 +167,12 @@ def build_gpt_datasets(prefixes: list[str], *, seq_length: int, seed: int,
     if model_vocab_size is not None:
         check_vocab_fits(tok.vocab_size, model_vocab_size)
     check_prefix_tokenizer(all_prefixes, tok)
+    for p in all_prefixes:  # megatron builds samples from a corpus shorter than one sequence without a word
+        index = IndexedDataset(p)  # kept alive while its memory-mapped lengths are read
+        tokens = int(index.sequence_lengths.sum())
+        if tokens <= seq_length:
+            raise DataError(f"{p} holds {tokens} tokens, fewer than one training sequence (train.seq_length + 1 = "
+                            f"{seq_length + 1}); prepare more text or lower train.seq_length")
 
     abs_train = [os.path.abspath(p) for p in prefixes]
     blend = (abs_train, list(map(float, weights)) if weights is not None else None)

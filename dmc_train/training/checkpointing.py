@@ -19,6 +19,7 @@ is refused with a message offering ``checkpoint.load_optimizer=false`` (weights 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -33,7 +34,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dmc_train.config import kv_groups
-from dmc_train.distributed import barrier, is_rank0, world_size
+from dmc_train.distributed import barrier, first_message, is_rank0, world_size
 from dmc_train.errors import CheckpointError
 
 # What a truncated or corrupt checkpoint raises: many Exception types from megatron/pickle, and
@@ -44,6 +45,8 @@ META = "meta.json"
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                       "num_query_groups", "vocab_size")
 DISTOPT_FORMAT = "dp_reshardable"
+# What meta.json must hold to be used: top-level keys and the keys read inside them.
+_REQUIRED_META = {"step": (), "layout": ("tensor", "pipeline", "distributed_optimizer"), "config": ("model",)}
 
 
 def checkpoint_root(cfg: Any) -> str:
@@ -106,21 +109,50 @@ def read_meta(ckpt: str) -> dict:
         raise CheckpointError(f"checkpoint {ckpt} does not exist; check checkpoint.resume or use resume=none")
     if not os.path.exists(meta_path):
         raise CheckpointError(f"checkpoint {ckpt} is incomplete (no {META}): the write was interrupted; "
-                              f"resume from an older checkpoint or use checkpoint.resume=none")
+                              f"{_other_checkpoint(ckpt)}")
     try:
         with open(meta_path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {META} ({e}); resume from an older checkpoint")
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {META} ({e}); {_other_checkpoint(ckpt)}") from None
+    missing = _missing_meta(meta)
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {META} (it lacks {', '.join(missing)}); "
+                              f"{_other_checkpoint(ckpt)}")
+    return meta
+
+
+def _missing_meta(meta: Any) -> list[str]:
+    if not isinstance(meta, dict):
+        return ["everything: it is not a JSON object"]
+    missing = []
+    for key, inner in _REQUIRED_META.items():
+        if key not in meta:
+            missing.append(key)
+        else:
+            missing += [f"{key}.{k}" for k in inner if not isinstance(meta[key], dict) or k not in meta[key]]
+    return missing
+
+
+def _other_checkpoint(ckpt: str) -> str:
+    """The fix for an unusable checkpoint: the newest other complete checkpoint beside it, if there is one."""
+    ckpt = os.path.normpath(os.path.abspath(ckpt))
+    root = os.path.dirname(ckpt)
+    others = [n for n in complete_checkpoints(root) if n != os.path.basename(ckpt)]
+    if others:
+        return f"resume from the newest other complete checkpoint: checkpoint.resume={os.path.join(root, others[-1])}"
+    return "no other complete checkpoint is beside it: use another checkpoint or start over in another run_dir"
 
 
 def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tuple[str, dict]]:
     """The checkpoint to start from, with its metadata checked against the config, or None.
 
-    ``auto``: the checkpoint ``latest`` names; if ``latest`` is missing or invalid, the newest complete
-    ``iter_*`` (said in one ``log`` line), so a run never trains over its own checkpoints. ``none``: a
-    fresh start, refused if the run directory already holds complete checkpoints. Runs before any model
-    is built so a mismatch fails fast.
+    ``auto``: the newest complete ``iter_*``; when ``latest`` does not name it (missing, invalid, or an
+    older checkpoint because a save stopped before the pointer was replaced) one ``log`` line says so, so
+    a run never trains over its own checkpoints. ``none``: a fresh start, refused if the run directory
+    already holds complete checkpoints, as is ``checkpoint.load_optimizer=false`` (it restarts at step 0).
+    Optimizer settings that differ from the checkpoint's are applied from the resumed step on (one
+    ``log`` line). Runs before any model is built so a mismatch fails fast.
     """
     resume = cfg.checkpoint.resume
     root = checkpoint_root(cfg)
@@ -133,17 +165,24 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
                 f"run_name / run_dir to start over, or delete {root}")
         return None
     if resume == "auto":
-        ckpt = _pointer_target(root)
-        if ckpt is not None:
-            ckpt = os.path.join(root, ckpt)
-        else:
-            ckpt = newest_complete(root)
-            if ckpt is None:
-                return None
+        ckpt = newest_complete(root)
+        if ckpt is None:
+            return None
+        pointer = _pointer_target(root)
+        if pointer is None:
             log(f"checkpoints/{LATEST} is missing or invalid; resuming from the newest complete checkpoint "
                 f"{os.path.basename(ckpt)}")
+        elif pointer != os.path.basename(ckpt):
+            log(f"checkpoints/{LATEST} names {pointer}, but {os.path.basename(ckpt)} is newer and complete (a save "
+                f"stopped before the pointer was replaced); resuming from {os.path.basename(ckpt)}")
     else:
         ckpt = find_checkpoint(resume)
+    own = newest_complete(root)
+    if not cfg.checkpoint.load_optimizer and own is not None:
+        raise CheckpointError(
+            f"checkpoint.load_optimizer=false restarts at step 0 and would overwrite the checkpoints in {root} "
+            f"(newest {os.path.basename(own)}); drop it to continue the run, or start a new run from these "
+            f"weights with checkpoint.init_from={own} checkpoint.resume=none and another run_name / run_dir")
     meta = read_meta(ckpt)
     check_model_shape(ckpt, meta, cfg)
     saved = meta["layout"]
@@ -153,6 +192,11 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
             f"checkpoint {ckpt} was saved at TP={saved['tensor']} PP={saved['pipeline']} with the distributed "
             f"optimizer, whose state cannot be resharded to TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline}; "
             f"set checkpoint.load_optimizer=false to load the weights only")
+    changed = [f"optim.{k}: {meta['config'].get('optim', {}).get(k)} -> {v}" for k, v in cfg.optim.items()
+               if cfg.checkpoint.load_optimizer and v != meta["config"].get("optim", {}).get(k, v)]
+    if changed:
+        log(f"optimizer settings differ from checkpoint {os.path.basename(ckpt)} ({'; '.join(changed)}); the new "
+            f"values apply from its step {meta['step']} on")
     return ckpt, meta
 
 
@@ -256,18 +300,87 @@ def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, co
     root = checkpoint_root(cfg)
     final = os.path.join(root, iter_name(step))
     tmp = final + ".tmp"
-    _write_sharded(_sharded_state(model, optimizer, scheduler, method, step, consumed, False), tmp)
-    if is_rank0():
-        meta = _meta(cfg, step, consumed, cfg.parallel.distributed_optimizer, extra_meta)
-        method.write_artifacts(tmp, meta)
-        _publish(cfg, tmp, final, meta)
-        pointer = os.path.join(root, LATEST + ".tmp")
-        with open(pointer, "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(pointer, os.path.join(root, LATEST))
-        _prune(root, cfg.checkpoint.keep_last)
-    barrier()
+    state = _sharded_state(model, optimizer, scheduler, method, step, consumed, False)
+    try:
+        _write_sharded(state, tmp)
+        if is_rank0():
+            meta = _meta(cfg, step, consumed, cfg.parallel.distributed_optimizer, extra_meta)
+            method.write_artifacts(tmp, meta)
+            _publish(cfg, tmp, final, meta)
+            pointer = os.path.join(root, LATEST + ".tmp")
+            with open(pointer, "w") as f:
+                f.write(os.path.basename(final))
+            os.replace(pointer, os.path.join(root, LATEST))
+            _prune(root, cfg.checkpoint.keep_last)
+        failure = None
+    except _READ_ERRORS as e:
+        failure = _save_failure(root, final, e, state)
+    failure = first_message(failure)  # also the barrier: every rank fails (or succeeds) together
+    if failure is not None:
+        raise CheckpointError(failure)
     return final
+
+
+def _save_failure(root: str, final: str, error: BaseException, state: dict) -> str:
+    """Remove the partial write of ``final`` and describe the failure in one line (the space needed when
+    the disk or quota is full)."""
+    tmp = final + ".tmp"
+    if is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(os.path.join(root, LATEST + ".tmp"), ignore_errors=True)
+    pointer = _pointer_target(root)
+    kept = (f"checkpoints/{LATEST} still names {pointer}, so checkpoint.resume=auto continues from there" if pointer
+            else "no earlier checkpoint exists")
+    causes = _causes(error)
+    text = " ".join(str(e) for e in causes)
+    if any(isinstance(e, OSError) and e.errno in _FULL for e in causes) or any(m in text for m in _FULL_TEXT):
+        previous = newest_complete(root)
+        need = _dir_bytes(previous) if previous else _state_bytes(state) * world_size()
+        free = shutil.disk_usage(root).free
+        return (f"no space left writing checkpoint {final}: it needs about {need / 2**20:.1f} MiB and "
+                f"{free / 2**20:.1f} MiB are free on {root}; free space, raise the quota or lower "
+                f"checkpoint.keep_last; the partial write was removed and {kept}")
+    return f"checkpoint {final} could not be written ({_cause(error)}); the partial write was removed and {kept}"
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# torch.distributed.checkpoint reports a short write (file size limit) as "unexpected pos"; its worker
+# exceptions reach us as text inside a CheckpointException.
+_FULL_TEXT = ("No space left", "Disk quota exceeded", "File too large", "unexpected pos")
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, its cause chain and the per-rank exceptions a CheckpointException wraps."""
+    found, todo = [], [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is f for f in found):
+            continue
+        found.append(e)
+        todo += [e.__cause__ or e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [wrapped for wrapped, _ in e.failures.values()]
+    return found
+
+
+def _cause(error: BaseException) -> str:
+    """The root exception of ``error`` in one short line (a CheckpointException's text holds tracebacks)."""
+    inner = [e for e in _causes(error) if not isinstance(e, CheckpointException)] or [error]
+    text = " ".join(str(inner[-1]).split()) if not isinstance(inner[-1], CheckpointException) else ""
+    return f"{type(inner[-1]).__name__}: {text[:200]}" if text else type(inner[-1]).__name__
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _state_bytes(state: dict) -> int:
+    """Bytes of the tensors this rank writes (its main replicas)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    return sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
+               if isinstance(v, ShardedTensor) and v.data is not None and is_main_replica(v.replica_id))
 
 
 def _write_sharded(state: dict, tmp: str) -> None:
@@ -342,18 +455,16 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
         _materialise_distopt_state(optimizer)
     request = _sharded_state(model, optimizer, scheduler, method, 0, 0, True,
                              with_optimizer=full, with_rng=full and same_world)
-    try:
-        state = dist_checkpointing.load(request, ckpt)
-    except _READ_ERRORS as e:
-        raise CheckpointError(f"checkpoint {ckpt} could not be read ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200]}); it is truncated or corrupt - "
-                              f"resume from an older checkpoint or use checkpoint.resume=none") from None
+    state = _load(request, ckpt)
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(state[_model_key(i, len(model))], strict=True)
     if not full:
         return 0, 0
+    configured = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
     with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
         optimizer.load_state_dict(state["optimizer"])
+    for group, (max_lr, min_lr) in zip(optimizer.param_groups, configured):  # the config's lr applies on resume
+        group["max_lr"], group["min_lr"] = max_lr, min_lr
     if state.get("adam_step") is not None:
         _set_adam_step(optimizer, state["adam_step"])
     scheduler.load_state_dict(state["scheduler"])
@@ -361,6 +472,19 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
     if "rng_state" in state:
         _set_rng_state(state["rng_state"])
     return int(state["step"]), int(state["consumed_samples"])
+
+
+def _load(request: dict, ckpt: str) -> dict:
+    """``dist_checkpointing.load``; a truncated or corrupt checkpoint raises one CheckpointError naming the
+    checkpoint to use instead. The index (``.metadata``) is read first: torch would log a traceback for it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        FileSystemReader(ckpt).read_metadata()
+        return dist_checkpointing.load(request, ckpt)
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"checkpoint {ckpt} could not be read ({_cause(e)}); it is truncated or corrupt - "
+                              f"{_other_checkpoint(ckpt)}") from None
 
 
 def _materialise_distopt_state(optimizer) -> None:
@@ -404,11 +528,7 @@ def load_weights(ckpt: str, model_chunks: list, cfg: Any = None) -> dict:
     if cfg is not None:
         check_model_shape(ckpt, meta, cfg)
     request = {_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
-    try:
-        state = dist_checkpointing.load(request, ckpt)
-    except _READ_ERRORS as e:
-        raise CheckpointError(f"checkpoint {ckpt} could not be read ({type(e).__name__}); it is truncated or "
-                              f"corrupt") from None
+    state = _load(request, ckpt)
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(state[_model_key(i, len(model_chunks))], strict=True)
     return meta

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -19,7 +20,11 @@ def format_duration(seconds: float) -> str:
 
 
 class RunLogger:
-    """Rank 0 writes; other ranks' calls are no-ops. ``log`` appends one JSON object per line."""
+    """Rank 0 writes; other ranks' calls are no-ops. ``log`` appends one JSON object per line.
+
+    Rows of steps after ``start_step`` (logged by a run that stopped before its next checkpoint, and
+    trained again now) are dropped first, so each step appears once in ``metrics.jsonl``.
+    """
 
     def __init__(self, run_dir: str, total_steps: int, tokens_per_step: int, cfg: Optional[Any] = None,
                  progress: bool = True, start_step: int = 0):
@@ -31,7 +36,9 @@ class RunLogger:
         if not self.active:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        _drop_rows_after(path, start_step)
+        self.metrics_file = open(path, "a", buffering=1)
         if cfg is not None and cfg.logging.wandb_project:
             self.wandb = _start_wandb(cfg, run_dir)
 
@@ -66,6 +73,26 @@ class RunLogger:
             self.metrics_file.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def _drop_rows_after(path: str, step: int) -> None:
+    """Keep the rows of ``path`` up to ``step`` (and no torn last line); the file is replaced atomically."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _row_step(line) <= step]
+    if len(kept) < len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _fmt(key: str, value) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -64,6 +65,10 @@ class Trainer:
             init = ckpt_mod.find_checkpoint(cfg.checkpoint.init_from)
             ckpt_mod.check_model_shape(init, ckpt_mod.read_meta(init), cfg)
         self.total_steps = total_steps(cfg)
+        if cfg.optim.warmup_steps >= self.total_steps and distributed.is_rank0():
+            print(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} is not below the run's {self.total_steps} "
+                  f"steps, so the learning rate never reaches optim.lr={cfg.optim.lr}; lower optim.warmup_steps",
+                  file=sys.stderr, flush=True)
         # Data before the model: a missing prefix or a too-large vocabulary fails fast.
         self.train_data, self.valid_data, self.test_data = build_datasets(
             cfg, self.total_steps * cfg.train.global_batch_size)

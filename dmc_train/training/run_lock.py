@@ -4,7 +4,8 @@ The lock file is created atomically (``O_CREAT | O_EXCL``) and holds the owner's
 SLURM) job ID. A lock whose owner is gone (same host and the PID no longer alive, or the same SLURM job
 requeued) is stale and reclaimed with a one-line warning; a live owner makes the new run fail with a
 :class:`RunDirError` naming the holder and the lock path. The lock is removed on any normal or error
-exit (``release``, and ``atexit`` as a backstop).
+exit (``release``, and ``atexit`` as a backstop), with the run directory itself if taking the lock created
+it and nothing else was written there (a rejected run leaves nothing behind).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dmc_train.errors import RunDirError
 
 LOCK = ".lock"
 _held: dict[str, str] = {}  # abspath(run_dir) -> lock path, held by this process
+_created: set[str] = set()  # run directories that taking the lock created
 
 
 def lock_path(run_dir: str) -> str:
@@ -57,14 +59,35 @@ def _stale(holder: dict) -> bool:
     return holder.get("host") == me["host"] and (holder["pid"] == me["pid"] or not _pid_alive(holder["pid"]))
 
 
+def check_writable(run_dir: str) -> None:
+    """Raise RunDirError unless ``run_dir`` (or, if it does not exist yet, its nearest existing parent)
+    can be written: a read-only file system or an immutable directory fails here, before any work.
+    ``os.access`` reports both even for root, whom permission bits do not stop."""
+    existing = os.path.abspath(run_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RunDirError(f"run_dir {run_dir} cannot be created: {existing} is a file; use another run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunDirError(f"run_dir {run_dir} is not writable ({existing} is on a read-only file system or "
+                          f"not writable); use a run_dir on a writable file system")
+
+
 def acquire(run_dir: str) -> None:
     """Take ``run_dir``'s lock for this process (a no-op if it already holds it); raise RunDirError if a
-    live run holds it."""
+    live run holds it or the directory cannot be written."""
     key = os.path.abspath(run_dir)
     if key in _held:
         return
     path = lock_path(run_dir)
-    os.makedirs(key, exist_ok=True)
+    check_writable(run_dir)
+    try:
+        if not os.path.isdir(key):
+            os.makedirs(key)
+            _created.add(key)
+    except OSError as e:
+        raise RunDirError(f"run_dir {run_dir} cannot be created ({e.strerror}); use a run_dir on a writable "
+                          f"file system") from None
     for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -84,6 +107,9 @@ def acquire(run_dir: str) -> None:
             except FileNotFoundError:
                 pass
             continue
+        except OSError as e:
+            raise RunDirError(f"run_dir {run_dir} is not writable ({e.strerror}: {path}); use a run_dir on a "
+                              f"writable file system") from None
         with os.fdopen(fd, "w") as f:
             json.dump(_owner(), f)
         _held[key] = path
@@ -101,6 +127,13 @@ def release(run_dir: str) -> None:
         try:
             os.remove(path)
         except FileNotFoundError:
+            pass
+    key = os.path.dirname(path)
+    if key in _created:
+        _created.discard(key)
+        try:
+            os.rmdir(key)  # only if empty: the run was rejected before writing anything
+        except OSError:
             pass
 
 

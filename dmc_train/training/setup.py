@@ -74,6 +74,8 @@ def build_scheduler(cfg: Any, optimizer, total_steps: int) -> Scheduler:
     """LR per optimizer step: linear warm-up, then constant / linear / cosine to ``lr * min_lr_ratio``.
 
     Megatron's scheduler counts samples; we step it by 1 per optimizer step so its units are steps.
+    On resume only the step count comes from the checkpoint: the config's lr, schedule and warm-up apply
+    (``config.yaml`` stays true; ``checkpointing.resolve_resume`` names what changed).
     """
     o = cfg.optim
     warmup = o.warmup_steps
@@ -90,6 +92,6 @@ def build_scheduler(cfg: Any, optimizer, total_steps: int) -> Scheduler:
         end_wd=o.weight_decay,
         wd_incr_steps=decay,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
