@@ -159,15 +159,20 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
     """Train until the step/token budget; returns a summary (final losses, steps, checkpoint).
 
     The run directory's lock is held from before the first checkpoint is read until the end, normal
-    or not."""
+    or not. The stop signals (:class:`PreemptionHandler`: SIGUSR1/SIGUSR2/SIGTERM) are caught from the
+    start, so one that arrives while the model is built or a checkpoint loads is not fatal: the run
+    stops after its first step, with a checkpoint."""
+    preemption = PreemptionHandler().install()
     try:
-        return _train(cfg, method)
+        return _train(cfg, method, preemption)
     finally:
+        preemption.uninstall()
         run_lock.release(cfg.run_dir)
 
 
-def _train(cfg: Any, method: Optional[Method]) -> dict:
+def _train(cfg: Any, method: Optional[Method], preemption: PreemptionHandler) -> dict:
     trainer = Trainer(cfg, method, lock_run_dir=True)
+    trainer.preemption = preemption  # methods (and test hooks) may look at the stop request
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
     log = RunLogger(cfg.run_dir, trainer.total_steps, tokens_per_step, cfg, cfg.logging.progress, trainer.step)
     if distributed.is_rank0():
@@ -182,7 +187,6 @@ def _train(cfg: Any, method: Optional[Method]) -> dict:
     stop_at = trainer.total_steps
     if cfg.train.max_steps_per_job is not None:
         stop_at = min(stop_at, trainer.step + cfg.train.max_steps_per_job)
-    preemption = PreemptionHandler().install()
     bad_in_row, preempted = 0, False
     try:
         while trainer.step < stop_at:
@@ -218,7 +222,7 @@ def _train(cfg: Any, method: Optional[Method]) -> dict:
             last_ckpt = trainer.save()
         if preempted:
             requeued = preemption.requeue()
-            log.info(f"stopped by {preemption.received.name if preemption.received else 'a signal'} after step "
+            log.info(f"stopped by {preemption.agreed.name if preemption.agreed else 'a signal'} after step "
                      f"{trainer.step}; checkpoint {last_ckpt}; "
                      + ("job requeued" if requeued else "not requeued (" + str(preemption.requeue_error) + ")"))
     finally:

@@ -62,6 +62,7 @@ class PreemptionHandler:
         self._requeue_wanted = False  # a requeue signal arrived on this rank
         self._stop = False  # agreed by should_stop(): sticky
         self._requeue = False  # agreed by should_stop(): sticky
+        self.agreed: Optional[signal.Signals] = None  # a signal some rank got, as of the last should_stop()
         self._previous: dict[signal.Signals, object] = {}
         self.requeue_error: Optional[str] = None  # why the last requeue() did not requeue
 
@@ -98,14 +99,16 @@ class PreemptionHandler:
     def should_stop(self) -> bool:
         """True on every rank once any rank got a stop signal. Collective when torch.distributed is
         initialised: call it on all ranks of the group at the same point (e.g. after each step)."""
-        local = [self.received is not None or self._stop, self._requeue_wanted or self._requeue]
+        local = [int(self.received is not None or self._stop), int(self._requeue_wanted or self._requeue),
+                 int(self.received or self.agreed or 0)]
         if dist.is_available() and dist.is_initialized():
             on_gpu = dist.get_backend(self.group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-            flags = torch.tensor([int(x) for x in local], dtype=torch.int32, device=device)
+            flags = torch.tensor(local, dtype=torch.int32, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            local = [bool(x) for x in flags.tolist()]
-        self._stop, self._requeue = local
+            local = flags.tolist()
+        self._stop, self._requeue = bool(local[0]), bool(local[1])
+        self.agreed = signal.Signals(local[2]) if local[2] else None
         return self._stop
 
     @property
