@@ -7,21 +7,27 @@ channels, MHA, vocab 32000, untied embeddings; the layer count chosen so the mod
 parameters; random weights) is saved with ``save_pretrained`` as sharded safetensors. Then, each in a
 fresh process:
 
-- ``python -m checkpoints_tools.import_hf --input <hf> --output <ours>``
+- ``python -m checkpoints_tools.import_hf --input <hf> --output <ours>`` (streaming: the checkpoint is
+  written tensor by tensor without building the model, and verified by a layer-by-layer forward of the
+  HF tensors against the written ones)
+- the import's previous method, from the same library functions, for the comparison: the whole TP=1
+  model built and filled (``load_hf_into_model``), ``save_weights``, then transformers' model against
+  our reloaded one (``verify_import(verify="full")``)
+- what ``checkpoint.init_from=<hf>`` does at TP=1: build the model, ``load_hf_into_model``
 - ``python -m checkpoints_tools.export_hf --input <ours> --output <hf2>``
 
-Both tools verify their output before publishing it (import: transformers' model of the input and our
-reloaded checkpoint, logits compared; export: our model and transformers' reload of the output), and
-neither has a switch to skip it, so the verification is part of the measured cost. To split it out,
-three more fresh processes measure the parts: the imports alone (torch, transformers, megatron-core,
-dmc_train), ``LlamaForCausalLM.from_pretrained`` of the HF directory plus one forward, and
-``load_model`` of our checkpoint plus one forward (the same prompt shape the tools use).
+Both tools verify their output before publishing it, and neither has a switch to skip it, so the
+verification is part of the measured cost. Three more fresh processes measure parts: the imports
+alone (torch, transformers, megatron-core, dmc_train), ``LlamaForCausalLM.from_pretrained`` of the HF
+directory plus one forward, and ``load_model`` of our checkpoint plus one forward (the export's
+verification loads both).
 
 Wall time is measured around each process (start-up included). Peak memory is the ``ru_maxrss`` that
 ``os.wait4`` returns for that one child: its maximum resident set, which counts the pages of the
-memory-mapped safetensors shards it touched as well as its private memory; the last column subtracts
-the peak of the imports-only process (what scales with the model). GB are 10^9 bytes;
-weights GB is the fp32 size of all tensors in the safetensors files.
+memory-mapped safetensors shards it touched (while mapped) as well as its private memory; the last two
+columns subtract the peak of the imports-only process (what scales with the model) and divide it by the
+weights and by the largest tensor (the embedding) plus one layer, fp32. GB are 10^9 bytes; weights GB is
+the fp32 size of all tensors in the safetensors files.
 """
 
 import argparse
@@ -37,6 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 32000
 HEAD_DIM = 64
+OLD = "import, whole-model method (before streaming)"
 
 
 def parse_count(text: str) -> int:
@@ -81,6 +88,41 @@ def child_imports() -> None:
     import dmc_train.conversion.hf_export  # noqa: F401
     import dmc_train.conversion.hf_import  # noqa: F401
     import dmc_train.training.model_loading  # noqa: F401
+
+
+def child_old_import(hf_dir: str, out: str) -> None:
+    """The import as it was before streaming, from the same library functions: the whole TP=1 model
+    built, filled by ``load_hf_into_model``, saved with ``save_weights``, then verified by transformers'
+    model against our reloaded one (``verify_import(verify="full")``)."""
+    child_imports()
+    from dmc_train import distributed
+    from dmc_train.conversion.hf_import import hf_run_config, verify_import
+    from dmc_train.models.llama import build_model
+    from dmc_train.training.checkpointing import save_weights
+    from dmc_train.training.hf_loading import load_hf_into_model, read_hf_config
+
+    cfg = hf_run_config(read_hf_config(hf_dir))
+    distributed.initialize(1, 1, None, cfg.train.seed)
+    chunks = build_model(cfg)
+    load_hf_into_model(hf_dir, chunks, cfg)
+    save_weights(cfg, chunks, out)
+    del chunks
+    verify_import(hf_dir, out, verify="full")
+    distributed.shutdown()
+
+
+def child_init_from(hf_dir: str) -> None:
+    """What ``checkpoint.init_from=<HF dir>`` does in a run at TP=1: build the model, fill it from the shards."""
+    child_imports()
+    from dmc_train import distributed
+    from dmc_train.conversion.hf_import import hf_run_config
+    from dmc_train.models.llama import build_model
+    from dmc_train.training.hf_loading import load_hf_into_model, read_hf_config
+
+    cfg = hf_run_config(read_hf_config(hf_dir))
+    distributed.initialize(1, 1, None, cfg.train.seed)
+    load_hf_into_model(hf_dir, build_model(cfg), cfg)
+    distributed.shutdown()
 
 
 def child_hf_load(hf_dir: str) -> None:
@@ -157,6 +199,10 @@ def main() -> None:
         return child_make(args.path, shape, args.shard_size)
     if args.child == "imports":
         return child_imports()
+    if args.child == "old_import":
+        return child_old_import(args.path, args.path + "_old_import")
+    if args.child == "init_from":
+        return child_init_from(args.path)
     if args.child == "hf_load":
         return child_hf_load(args.path)
     if args.child == "our_load":
@@ -176,6 +222,9 @@ def main() -> None:
                                                                                work, "imports"),
             "import_hf (whole tool)": measure([sys.executable, "-m", "checkpoints_tools.import_hf", "--input", hf,
                                                "--output", ours], work, "import"),
+            OLD: measure(self_cmd("--child", "old_import", "--path", hf, *shape_args), work, "old_import"),
+            "init_from=<HF dir> (build + load_hf_into_model, TP=1)": measure(
+                self_cmd("--child", "init_from", "--path", hf, *shape_args), work, "init_from"),
             "export_hf (whole tool)": measure([sys.executable, "-m", "checkpoints_tools.export_hf", "--input", ours,
                                                "--output", hf2], work, "export"),
             "HF from_pretrained + forward": measure(self_cmd("--child", "hf_load", "--path", hf), work, "hf_load"),
@@ -191,30 +240,36 @@ def main() -> None:
           f"{n_params / 1e6:.0f}M parameters, {weights:.3f} GB fp32 in {len(shards)} safetensors shards "
           f"(built and saved in {make['s']:.1f} s)")
     floor = rows["imports only (torch, transformers, megatron, dmc_train)"]["rss"] / 1e9
+    h, f = shape["hidden_size"], shape["intermediate_size"]
+    largest = 4 * VOCAB * h / 1e9  # the embedding (and lm_head), fp32
+    layer = 4 * (4 * h * h + 3 * h * f + 2 * h) / 1e9
+    unit = largest + layer
+    print(f"largest tensor {largest:.3f} GB + one layer {layer:.3f} GB = {unit:.3f} GB")
     print(f"{'what':<56} {'weights GB':>10} {'s':>7} {'s/GB':>7} {'peak RSS GB':>12} {'RSS/weights':>12} "
-          f"{'(RSS-imports)/weights':>22}")
+          f"{'(RSS-imports)/weights':>22} {'(RSS-imports)/(largest+layer)':>30}")
     for name, r in rows.items():
         rss = r["rss"] / 1e9
         print(f"{name:<56} {weights:>10.3f} {r['s']:>7.1f} {r['s'] / weights:>7.1f} {rss:>12.2f} "
-              f"{rss / weights:>11.2f}x {(rss - floor) / weights:>21.2f}x")
+              f"{rss / weights:>11.2f}x {(rss - floor) / weights:>21.2f}x {(rss - floor) / unit:>29.2f}x")
+    new, old = rows["import_hf (whole tool)"], rows[OLD]
+    above = (new["rss"] / 1e9 - floor) / (old["rss"] / 1e9 - floor)
+    print(f"\nimport, streaming vs whole-model method: peak RSS {new['rss'] / 1e9:.2f} vs {old['rss'] / 1e9:.2f} GB "
+          f"({new['rss'] / old['rss']:.2f}x; above the imports {above:.2f}x), "
+          f"time {new['s']:.1f} vs {old['s']:.1f} s ({new['s'] / old['s']:.2f}x)")
 
     base = rows["imports only (torch, transformers, megatron, dmc_train)"]["s"]
     hf_in = json.loads(rows["HF from_pretrained + forward"]["stdout"].strip().splitlines()[-1])
     our_in = json.loads(rows["our load_model + forward"]["stdout"].strip().splitlines()[-1])
     hf_part, our_part = hf_in["load_s"] + hf_in["forward_s"], our_in["load_s"] + our_in["forward_s"]
-    imp, exp = rows["import_hf (whole tool)"]["s"], rows["export_hf (whole tool)"]["s"]
+    exp = rows["export_hf (whole tool)"]["s"]
     print(f"\nparts (timed inside the processes): HF from_pretrained {hf_in['load_s']:.1f} s + forward "
           f"{hf_in['forward_s']:.1f} s; our load_model {our_in['load_s']:.1f} s + forward {our_in['forward_s']:.1f} s; "
           f"start-up (imports) {base:.1f} s")
-    verify_imp = hf_part + our_part
-    print(f"import: verification (HF load + our reload, with forwards) ~{verify_imp:.1f} s of {imp:.1f} s "
-          f"({verify_imp / imp:.0%}); start-up ~{base / imp:.0%}; the rest (~{imp - verify_imp - base:.1f} s) "
-          f"is building our model, filling it from the shards and saving it")
     print(f"export: HF reload (verification) ~{hf_part:.1f} s of {exp:.1f} s ({hf_part / exp:.0%}); loading ours "
           f"~{our_part:.1f} s ({our_part / exp:.0%}); start-up ~{base / exp:.0%}; the rest "
           f"(~{exp - hf_part - our_part - base:.1f} s) is writing the shards")
     print("neither tool can skip its verification (no flag); peak RSS of the whole tools vs one model loaded "
-          f"alone: import {rows['import_hf (whole tool)']['rss'] / 1e9:.2f} GB, export "
+          f"alone: import {rows['import_hf (whole tool)']['rss'] / 1e9:.2f} GB (streaming), export "
           f"{rows['export_hf (whole tool)']['rss'] / 1e9:.2f} GB, HF model alone "
           f"{rows['HF from_pretrained + forward']['rss'] / 1e9:.2f} GB, ours alone "
           f"{rows['our load_model + forward']['rss'] / 1e9:.2f} GB")

@@ -20,6 +20,9 @@ def main() -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                         help="parameter dtype of the checkpoint (train.precision of its config)")
+    parser.add_argument("--verify", default="streaming", choices=("streaming", "full"),
+                        help="streaming (default): layer-by-layer logits of the HF tensors vs the written ones; "
+                             "full: transformers' model vs our reloaded model (memory: a whole model)")
     args = parser.parse_args()
 
     from dmc_train import cli, distributed
@@ -28,7 +31,7 @@ def main() -> None:
     from dmc_train.conversion.hf_import import import_hf, imported_meta_summary
 
     def run():
-        out = import_hf(args.input, args.output, overwrite=args.overwrite, dtype=args.dtype)
+        out = import_hf(args.input, args.output, overwrite=args.overwrite, dtype=args.dtype, verify=args.verify)
         print(imported_meta_summary(out), flush=True)
 
     cli.run_reporting_errors(run)

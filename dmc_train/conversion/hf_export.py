@@ -21,10 +21,11 @@ a model card and the ``dmc_*`` fields) and is verified through ``trust_remote_co
 its logits must equal ours. Fixed Memory Pooling and checkpoints still in DMC's zero-out stage are
 refused (one line).
 
-Tolerances (:data:`TOLERANCE`): the reloaded model runs in fp32 whatever the file dtype, so the
-difference measures only the rounding of the stored weights: fp32 max |diff| <= 1e-4, bf16 and fp16
-max |diff| <= tol * (1 + max |logit|) with tol 0.05 (bf16) / 0.01 (fp16). A wrong mapping (a swapped
-head, a transposed tensor) moves logits by their own scale and fails these bounds.
+Tolerance: the one every conversion uses (:func:`~dmc_train.conversion.check_logits`,
+:data:`~dmc_train.conversion.LOGIT_TOLERANCE`): max |diff| / max(1, max |our logit|) at most 1e-5 (fp32),
+5e-2 (bf16), 1e-2 (fp16). The reloaded model runs in fp32 whatever the file dtype, so the difference
+measures only the rounding of the stored weights; a wrong mapping (a swapped head, a transposed
+tensor) moves logits by their own scale and fails these bounds.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from dmc_train.config import kv_groups
-from dmc_train.conversion import check_output, load_llama, verification_tokens
+from dmc_train.conversion import check_logits, check_output, load_llama, verification_tokens
 from dmc_train.conversion.hf_tokenizer import write_tokenizer
 from dmc_train.distributed import read_launch_env
 from dmc_train.errors import CheckpointError, ConfigError
@@ -49,8 +50,6 @@ from dmc_train.models.llama_weights import megatron_to_hf
 from dmc_train.training.checkpointing import find_checkpoint, read_meta, replace_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: max |HF logit - our logit| allowed: (absolute, relative to 1 + max |logit|) by exported dtype.
-TOLERANCE = {"float32": (1e-4, 0.0), "bfloat16": (0.0, 0.05), "float16": (0.0, 0.01)}
 DMC_METHODS = ("dmc", "fixed_pooling")
 DEFAULT_SHARD_SIZE = "5GB"
 INDEX = "model.safetensors.index.json"
@@ -188,9 +187,10 @@ def write_model_dir(loaded: Any, directory: str, dtype: str = "float32",
     return {"config": config, "tokenizer": tok, "index": index}
 
 
-def verify(loaded: Any, directory: str, dtype: str, loader: Callable[[str], torch.nn.Module] = load_llama) -> float:
+def verify(loaded: Any, directory: str, dtype: str, loader: Callable[[str], torch.nn.Module] = load_llama) -> dict:
     """Reload ``directory`` with ``loader`` and compare its logits with our model's on the fixed
-    prompt; returns max |diff|, CheckpointError when over :data:`TOLERANCE` for ``dtype``."""
+    prompt; returns :func:`~dmc_train.conversion.check_logits`' numbers (``max_abs_logit_diff``,
+    ``relative_error``, ``tolerance``), one-line CheckpointError when over the tolerance for ``dtype``."""
     from dmc_train.training.forward import logits
 
     m = loaded.cfg.model
@@ -203,16 +203,8 @@ def verify(loaded: Any, directory: str, dtype: str, loader: Callable[[str], torc
     except Exception as e:  # transformers raises many types for a directory it cannot use
         raise CheckpointError(f"the exported directory does not load in transformers ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200] if str(e) else ''}); nothing was written") from None
-    if theirs.shape != ours.shape:
-        raise CheckpointError(f"exported model gives logits of shape {tuple(theirs.shape)}, ours "
-                              f"{tuple(ours.shape)}; nothing was written")
-    diff = float((theirs - ours).abs().max())
-    absolute, relative = TOLERANCE[dtype]
-    bound = absolute + relative * (1.0 + float(ours.abs().max()))
-    if not diff <= bound:
-        raise CheckpointError(f"exported {dtype} model's logits differ from the checkpoint's by {diff:.3g} "
-                              f"(> {bound:.3g}); nothing was written - report this as a bug")
-    return diff
+    return check_logits(theirs, ours, dtype, f"exported {dtype} model's logits differ from the checkpoint's",
+                        "nothing was written - report this as a bug")
 
 
 def export(loaded: Any, out: str, *, overwrite: bool = False, dtype: str = "float32",
@@ -232,8 +224,8 @@ def export(loaded: Any, out: str, *, overwrite: bool = False, dtype: str = "floa
     os.makedirs(tmp)
     try:
         written = write(loaded, tmp, dtype, max_shard_size)
-        diff = verify(loaded, tmp, dtype, loader)
-        _write_json(os.path.join(tmp, MANIFEST), manifest(loaded, dtype, diff, written, extra_manifest))
+        check = verify(loaded, tmp, dtype, loader)
+        _write_json(os.path.join(tmp, MANIFEST), manifest(loaded, dtype, check, written, extra_manifest))
         replace_dir(tmp, out)  # overwrite: the old export goes only once the new one is complete
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -241,7 +233,7 @@ def export(loaded: Any, out: str, *, overwrite: bool = False, dtype: str = "floa
     return out
 
 
-def manifest(loaded: Any, dtype: str, diff: float, written: dict, extra: Optional[dict] = None) -> dict:
+def manifest(loaded: Any, dtype: str, check: dict, written: dict, extra: Optional[dict] = None) -> dict:
     meta = loaded.meta
     try:
         version = importlib_metadata.version("dmc_train")
@@ -256,9 +248,7 @@ def manifest(loaded: Any, dtype: str, diff: float, written: dict, extra: Optiona
         "dtype": dtype,
         "tie_word_embeddings": written["config"].get("tie_word_embeddings", False),
         "tokenizer": written["tokenizer"],
-        "verification": {"max_abs_logit_diff": diff, "tolerance": dict(zip(("absolute", "relative"),
-                                                                           TOLERANCE[dtype])),
-                         "prompt_shape": list(verification_tokens(loaded.cfg.model.vocab_size,
+        "verification": {**check, "prompt_shape": list(verification_tokens(loaded.cfg.model.vocab_size,
                                                                   loaded.cfg.model.max_position_embeddings).shape)},
         **(extra or {}),
     }

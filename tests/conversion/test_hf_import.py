@@ -1,6 +1,8 @@
 """Hugging Face Llama import: tiny random ``LlamaForCausalLM`` models (MHA/GQA, tied/untied, single and
-sharded safetensors, sharded ``.bin``) imported and compared logit by logit with transformers, loaded
-at other layouts, used directly by training (``checkpoint.init_from=<HF dir>``), and bad inputs."""
+sharded safetensors, sharded ``.bin``) imported (streamed, without building the model) and compared logit
+by logit with transformers and file by file with the whole-model import, loaded at other layouts, used
+directly by training (``checkpoint.init_from=<HF dir>``), and bad inputs (a corrupt written tensor
+included)."""
 
 import json
 import os
@@ -53,6 +55,28 @@ def test_imported_logits_equal_hf(imported, hf_models):
     assert not [p for p in os.listdir(out) if p.endswith((".tmp", ".importing"))]
 
 
+def test_streamed_import_equals_the_model_based_one(imported):
+    """The streamed files are those the whole-model import (build, load_hf_into_model, save_weights)
+    writes: the same .metadata (keys, global shapes, dtypes, chunks) and bitwise equal tensors."""
+    _, res = imported
+    for kind in KINDS:
+        same = res[kind]["model_path"]
+        assert same["same_metadata"] and same["tensors"] == 27 and same["unequal"] == [], (kind, same)
+        assert same["dtypes"] == ["torch.float32"]
+    bf16 = res["gqa"]["model_path_bf16"]
+    assert bf16["same_metadata"] and bf16["unequal"] == [] and bf16["dtypes"] == ["torch.bfloat16"], bf16
+
+
+def test_verifications_agree_with_transformers(imported):
+    """The layer-by-layer reference forward computes transformers' logits, and the full verification
+    (transformers vs our megatron model) passes on the streamed checkpoints."""
+    _, res = imported
+    for kind in KINDS:
+        assert res[kind]["reference_vs_transformers"] < 1e-5, (kind, res[kind])
+        full = res[kind]["full_check"]
+        assert full["tolerance"] == 1e-5 and full["relative_error"] <= 1e-5, (kind, full)
+
+
 @pytest.mark.distributed
 def test_any_layout_and_training_start_from_the_hf_weights(imported, hf_models, tmp_path):
     out, _ = imported
@@ -63,6 +87,12 @@ def test_any_layout_and_training_start_from_the_hf_weights(imported, hf_models, 
     # load_hf_into_model's local shards are exactly megatron's resharding of the TP=1 import
     for layout in ("tp1", "tp2", "pp2", "pp2_vpp2"):
         assert res[layout]["shard_diff"] == 0.0, layout
+    # a dist checkpoint stores global tensors: megatron's own save at TP=2 / PP=2 has the import's keys and
+    # global shapes (layers keyed by their global number); at PP=2 even the chunks are the same
+    for layout in ("tp2", "pp2"):
+        diff = res[layout]["saved_vs_import"]
+        assert diff["same_keys"] and diff["same_global_shapes"], (layout, diff)
+    assert res["pp2"]["saved_vs_import"]["same_chunks"] and not res["tp2"]["saved_vs_import"]["same_chunks"]
     assert res["pp2"]["params"] == [13, 14]  # embedding + 2 layers | 2 layers + final norm + output layer
     tokens, lengths = ragged(512)
     theirs = hf_logits(hf, tokens, lengths)
@@ -95,6 +125,7 @@ def test_bad_inputs_fail_in_one_line_and_leave_nothing(hf_models, imported, tmp_
         "shape": _copy(hf_models / "gqa_bin", tmp_path / "shape", {"intermediate_size": 160}),
         "tokenizer": _copy(hf_models / "gqa", tmp_path / "tokenizer"),
         "verify": _copy(hf_models / "gqa", tmp_path / "verify"),
+        "corrupt": _copy(hf_models / "gqa", tmp_path / "corrupt"),
     }
     shard = tmp_path / "truncated" / "model-00003-of-00005.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -113,6 +144,8 @@ def test_bad_inputs_fail_in_one_line_and_leave_nothing(hf_models, imported, tmp_
         "shape": "model.layers.0.mlp.gate_proj.weight has shape (176, 64) but the model config needs (160, 64)",
         "tokenizer": "has 600 tokens but the model's vocab_size is 512",
         "verify": "the imported model's logits differ from the Hugging Face model's",
+        # one layer's o_proj corrupted on disk after writing: the streaming verification finds it
+        "corrupt": "the imported model's logits differ from the Hugging Face model's",
     }
     for case, text in expected.items():
         error = res[case]["error"]

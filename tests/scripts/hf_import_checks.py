@@ -7,7 +7,8 @@ compatibility layer process-wide).
     python tests/scripts/hf_import_checks.py errors <out.json> <case>=<hf dir> ...   # one-line errors
     torchrun --nproc_per_node=2 tests/scripts/hf_import_checks.py layouts <out.json> <ckpt> <hf> <run_dir>
         logits of the imported checkpoint at TP=1/TP=2/PP=2, load_hf_into_model's shards vs megatron's
-        resharding at those layouts and PP=2+VPP=2, and a TP=2 training run with checkpoint.init_from=<hf>
+        resharding at those layouts and PP=2+VPP=2, megatron's own save at TP=2 and PP=2 vs the import's
+        .metadata, and a TP=2 training run with checkpoint.init_from=<hf>
 
 Kinds: ``gqa`` (4 groups, untied, one safetensors file, HF tokenizer), ``mha_tied`` (MHA, tied
 embeddings, sharded safetensors, sentencepiece ``tokenizer.model``), ``gqa_bin`` (sharded
@@ -91,26 +92,91 @@ def max_diff(ours: torch.Tensor, theirs: list[torch.Tensor], lengths: list[int])
     return max((ours[i, :n] - theirs[i]).abs().max().item() for i, n in enumerate(lengths))
 
 
+def model_path_import(hf_dir: str, out: str, dtype: str) -> None:
+    """The import as it was before streaming: the whole TP=1 model built, filled by load_hf_into_model
+    and saved with save_weights (the files the streamed import must reproduce)."""
+    from dmc_train import distributed
+    from dmc_train.conversion.hf_import import hf_run_config
+    from dmc_train.models.llama import build_model
+    from dmc_train.training.checkpointing import save_weights
+    from dmc_train.training.hf_loading import load_hf_into_model, read_hf_config
+
+    cfg = hf_run_config(read_hf_config(hf_dir), dtype)
+    distributed.initialize(1, 1, None, cfg.train.seed)
+    chunks = build_model(cfg)
+    load_hf_into_model(hf_dir, chunks, cfg)
+    save_weights(cfg, chunks, out)
+
+
+def compare_checkpoints(a: str, b: str) -> dict:
+    """Same ``.metadata`` entries (keys, global shapes, dtypes, chunks) and bitwise equal tensors?"""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dmc_train.training.streaming_checkpoint import CheckpointTensors, checkpoint_config
+
+    meta_a, meta_b = (FileSystemReader(d).read_metadata().state_dict_metadata for d in (a, b))
+    reader_a, reader_b = CheckpointTensors(a, checkpoint_config(a)), CheckpointTensors(b, checkpoint_config(b))
+    names = list(reader_a.entries)
+    ta, tb = reader_a.read(names), reader_b.read(names)
+    return {"same_metadata": meta_a == meta_b, "keys": len(meta_a), "tensors": len(names),
+            "unequal": [n for n in names if not (ta[n].dtype == tb[n].dtype and torch.equal(ta[n], tb[n]))],
+            "dtypes": sorted({str(t.dtype) for t in tb.values()})}
+
+
 def imports(out_path: str, *pairs: str) -> None:
-    from dmc_train.conversion.hf_import import import_hf
+    """Import each pair (streamed, verified); then, per model: our logits at TP=1 vs HF's on a ragged batch,
+    the streamed files vs the model-based import's (fp32, and bf16 for the first), the layer-by-layer
+    reference forward vs transformers, and the full verification (transformers vs our megatron model)."""
+    from dmc_train.conversion import verification_tokens
+    from dmc_train.conversion.hf_import import hf_fetch, import_hf, verify_import
+    from dmc_train.models.llama_reference import streaming_logits
     from dmc_train.training.forward import logits
+    from dmc_train.training.hf_loading import HFWeights, read_hf_config
     from dmc_train.training.model_loading import load_model
 
     res = {}
-    for hf_dir, out in zip(pairs[::2], pairs[1::2]):
+    for i, (hf_dir, out) in enumerate(zip(pairs[::2], pairs[1::2])):
         if not os.path.exists(os.path.join(out, "meta.json")):
             import_hf(hf_dir, out)
         loaded = load_model(out)
         tokens, lengths = ragged(loaded.cfg.model.vocab_size)
         ours = logits(loaded.model, tokens)
         theirs = hf_logits(hf_dir, tokens, lengths)
-        res[os.path.basename(hf_dir)] = {"max_diff": max_diff(ours, theirs, lengths),
-                                         "logit_scale": max(t.abs().max().item() for t in theirs),
-                                         "meta": {k: loaded.meta.get(k) for k in ("hf_source", "tie_word_embeddings",
-                                                                                    "tokenizer")},
-                                         "data_tokenizer": loaded.cfg.data.tokenizer}
+        kind = os.path.basename(hf_dir)
+        res[kind] = {"max_diff": max_diff(ours, theirs, lengths),
+                     "logit_scale": max(t.abs().max().item() for t in theirs),
+                     "meta": {k: loaded.meta.get(k) for k in ("hf_source", "tie_word_embeddings", "tokenizer")},
+                     "data_tokenizer": loaded.cfg.data.tokenizer}
+        model_path_import(hf_dir, out + "_model_path", "fp32")
+        res[kind]["model_path"] = compare_checkpoints(out + "_model_path", out)
+        if i == 0:
+            import_hf(hf_dir, out + "_bf16", dtype="bf16")
+            model_path_import(hf_dir, out + "_bf16_model_path", "bf16")
+            res[kind]["model_path_bf16"] = compare_checkpoints(out + "_bf16_model_path", out + "_bf16")
+        m = loaded.cfg.model
+        prompt = verification_tokens(m.vocab_size, m.max_position_embeddings)
+        hf = read_hf_config(hf_dir)
+        reference = streaming_logits(hf_fetch(HFWeights(hf_dir), bool(hf.get("tie_word_embeddings"))), m, prompt)
+        transformers = hf_logits(hf_dir, prompt, [prompt.shape[1]] * prompt.shape[0])
+        res[kind]["reference_vs_transformers"] = max((reference[j] - t).abs().max().item()
+                                                     for j, t in enumerate(transformers))
+        res[kind]["full_check"] = verify_import(hf_dir, out, verify="full")
     with open(out_path, "w") as f:
         json.dump(res, f)
+
+
+def corrupt_tensor(ckpt: str, key: str, layer: int) -> None:
+    """Flip bits in the middle of the stored bytes of one layer's chunk of ``key`` (a real on-disk
+    corruption, found through the checkpoint's own ``.metadata``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(ckpt).read_metadata().storage_data
+    info = next(v for k, v in storage.items() if k.fqn == key and k.offset is not None and k.offset[0] == layer)
+    with open(os.path.join(ckpt, info.relative_path), "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        data = f.read(8)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes(b ^ 0x40 for b in data))
 
 
 def errors(out_path: str, *cases: str) -> None:
@@ -120,11 +186,19 @@ def errors(out_path: str, *cases: str) -> None:
 
     res = {}
     fp32 = conversion.LOGIT_TOLERANCE["float32"]
+    save_weights_streaming = hf_import.save_weights_streaming
+
+    def corrupting(cfg, tensor_of, out, extra_meta):
+        save_weights_streaming(cfg, tensor_of, out, extra_meta)
+        corrupt_tensor(out, "decoder.layers.self_attention.linear_proj.weight", 2)
+
     for case in cases:
         name, hf_dir = case.split("=", 1)
         out = hf_dir + "_out"
         # "verify": a good model with a tolerance no result meets, so the final logit check fails
         conversion.LOGIT_TOLERANCE["float32"] = -1.0 if name == "verify" else fp32
+        # "corrupt": a good model whose written checkpoint gets one tensor corrupted before the verification
+        hf_import.save_weights_streaming = corrupting if name == "corrupt" else save_weights_streaming
         try:
             hf_import.import_hf(hf_dir, out)
             res[name] = {"error": None}
@@ -136,12 +210,26 @@ def errors(out_path: str, *cases: str) -> None:
         json.dump(res, f)
 
 
+def checkpoint_layout_diff(a: str, b: str) -> dict:
+    """How the ``.metadata`` of two checkpoints differ: keys, global shapes / dtypes, chunking."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ma, mb = (FileSystemReader(d).read_metadata().state_dict_metadata for d in (a, b))
+    tensors = [k for k, v in ma.items() if isinstance(v, TensorStorageMetadata)]
+    return {"same_keys": sorted(ma) == sorted(mb), "keys": len(ma),
+            "same_global_shapes": all(tuple(ma[k].size) == tuple(mb[k].size) and ma[k].properties.dtype
+                                      == mb[k].properties.dtype for k in tensors),
+            "same_chunks": all(ma[k].chunks == mb[k].chunks for k in tensors)}
+
+
 def layouts(out_path: str, ckpt: str, hf_dir: str, run_dir: str) -> None:
     import torch.distributed as dist
 
     from dmc_train import distributed
     from dmc_train.models.llama import build_model
     from dmc_train.recipes import load_config
+    from dmc_train.training.checkpointing import save_weights
     from dmc_train.training.forward import logits
     from dmc_train.training.hf_loading import load_hf_into_model
     from dmc_train.training.loop import Trainer
@@ -163,6 +251,11 @@ def layouts(out_path: str, ckpt: str, hf_dir: str, run_dir: str) -> None:
         dist.all_gather_object(gathered, (out.tolist() if out is not None else None, shard_diff, params))
         res[name] = {"logits": next((g[0] for g in gathered if g[0] is not None), None),
                      "shard_diff": max(g[1] for g in gathered), "params": [g[2] for g in gathered]}
+        if name in ("tp2", "pp2"):  # saved by megatron at this layout: the same global tensors as the import?
+            saved = f"{run_dir}_{name}_saved"
+            save_weights(loaded.cfg, loaded.model, saved)
+            if distributed.is_rank0():
+                res[name]["saved_vs_import"] = checkpoint_layout_diff(saved, ckpt)
     cfg = load_config(["+recipe=tiny_pretrain", "model.num_query_groups=4", "parallel.tensor=2",
                        f"checkpoint.init_from={hf_dir}", f"run_dir={run_dir}", "train.max_steps=1",
                        "logging.progress=false", "checkpoint.save_at_end=false", "train.eval_interval=0"])
