@@ -87,6 +87,7 @@ def _rank(rank, world, init_file, out_dir, bin_dir):
     results.append(handler.should_stop())  # rank 1's signal stops rank 0 too
     dist.barrier()
     results.append(handler.requeue())
+    results.append(handler.agreed.name)  # the signal's name is known on every rank, not only where it arrived
     (out_dir / f"rank{rank}.txt").write_text(" ".join(str(r) for r in results))
     dist.destroy_process_group()
 
@@ -102,6 +103,6 @@ def test_ranks_agree_and_only_rank0_requeues(tmp_path):
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    assert (tmp_path / "rank0.txt").read_text() == "False True True"
-    assert (tmp_path / "rank1.txt").read_text() == "False True False"
+    assert (tmp_path / "rank0.txt").read_text() == "False True True SIGUSR1"
+    assert (tmp_path / "rank1.txt").read_text() == "False True False SIGUSR1"
     assert record.read_text().split() == ["requeue", "99"]

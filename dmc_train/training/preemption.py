@@ -12,12 +12,14 @@
 Signals (defaults): SIGUSR1 is the early warning of launch/submit.py's jobs (``#SBATCH
 --signal=USR1@300``) and SIGUSR2 that of the Hydra submitit launcher (whose own USR2 handler, which
 requeues without a checkpoint, this one replaces): the job should continue later, so they ask for a
-requeue. SIGTERM comes from ``scancel``, the time limit or preemption: stop and checkpoint (best
-effort: SLURM's KillWait, ~30 s, and torchrun's 30 s shutdown limit apply), but do not requeue (a
-user's ``scancel`` must end the job; SLURM requeues preempted jobs itself when configured to).
+requeue. SIGTERM comes from ``scancel``, the time limit or preemption: stop and checkpoint (within
+SLURM's KillWait, often 30 s, and torchrun's shutdown timeout), but do not requeue (a user's
+``scancel`` must end the job; SLURM requeues preempted jobs itself when configured to).
 
 The handler only records the signal; all work (the collective, the checkpoint, the requeue) happens
-in the training loop.
+in the training loop. So a signal to any one rank, to all of them, or forwarded by torchrun or the
+SLURM node wrapper (launch/slurm/torchrun_node.sh) never interrupts a collective or a save: every
+rank learns of it at the next ``should_stop()``. Delivery patterns and exit codes: docs/CLUSTER.md.
 """
 
 from __future__ import annotations
