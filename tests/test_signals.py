@@ -56,7 +56,6 @@ TWO_RANKS = [  # steps 2, 4, 6, ...: the first case comes before the first check
     Case("usr1-agent", "torchrun", signal.SIGUSR1, "agent", 1, FORWARD_USR1),
     Case("term-rank-wrapper", "wrapper", signal.SIGTERM, "rank", 0),
     Case("usr1-group-wrapper", "wrapper", signal.SIGUSR1, "group", 0),  # Slurm --signal, proctrack/pgid
-    Case("term-group-wrapper", "wrapper", signal.SIGTERM, "group", 1),  # scancel, proctrack/pgid
 ]
 ONE_PROCESS = [
     Case("usr1-process", "process", signal.SIGUSR1, "process", 0),
