@@ -4,7 +4,7 @@ resume, zeroed decision rows, the fixed-pooling ablation, method.rope_order=pre 
 
 import pytest
 
-from tests.helpers import run_json
+from tests.helpers import free_port, run_json
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,23 @@ def test_rope_pre_trains_and_resumes_exactly(res):
     assert full["val_loss"][-1] is not None
     assert full["lm_loss"] != res["full"]["lm_loss"]  # a different model from rope_order=post
     assert res["pre"]["resumed"] == full["lm_loss"][3:]
+
+
+def test_dmc_layer_keeps_no_more_for_backward_than_vanilla(tmp_path):
+    """What one DMC layer saves for backward (exact accumulation with rope_order post and pre, window;
+    fp32) is within one [s, b, g, d] tensor of what a vanilla layer saves: no second copy of k~ / v~,
+    of the attention output or of the fused QKV projection output, no scan state
+    (tests/scripts/saved_activations.py)."""
+    over = ["model=tiny", "model.hidden_size=256", "model.ffn_hidden_size=688", "model.num_attention_heads=8",
+            "model.num_query_groups=2", "model.vocab_size=1024", "train.seq_length=128", "train.micro_batch_size=1"]
+    kv_tensor = 128 * 1 * 2 * 32 * 4  # [s, b, g, d] fp32
+
+    def saved(*extra):
+        name = "_".join(extra).replace("=", "-").replace(".", "-") or "vanilla"
+        return run_json(["tests/scripts/saved_activations.py", *over, *extra], str(tmp_path / f"{name}.json"),
+                        env={"MASTER_PORT": str(free_port())})["fp32"]
+
+    vanilla = saved()
+    for accumulation, rope_order in (("exact", "post"), ("exact", "pre"), ("window", "post")):
+        dmc = saved("method=dmc", f"method.accumulation={accumulation}", f"method.rope_order={rope_order}")
+        assert dmc < vanilla + kv_tensor, (accumulation, rope_order, dmc, vanilla)

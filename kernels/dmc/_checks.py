@@ -10,6 +10,19 @@ def work_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def empty_in_layout_of(q: torch.Tensor, last: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised ``[b, h, n, last]`` tensor whose first three dims lie in memory in the order of
+    ``q``'s (``q [b, h, n, d]``; the last dim innermost).
+
+    Attention outputs use it: a caller whose q is a permuted view (megatron's ``[n, b, h, d]``) gets an
+    output whose permute back and ``reshape`` to ``[n, b, h * d]`` is a view, not a second copy that
+    the next layer's backward would keep beside the one attention saves.
+    """
+    order = sorted(range(3), key=q.stride, reverse=True)  # outermost first (stable on size-1 ties)
+    out = torch.empty(*(q.shape[i] for i in order), last, dtype=dtype, device=q.device)
+    return out.permute(*(order.index(i) for i in range(3)), 3)
+
+
 def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._checks import work_dtype
+from ._checks import empty_in_layout_of, work_dtype
 
 # Finite stand-in for log(0) = -inf inside matmuls; exp() of it is exactly 0.
 NEG_BIG = -1e30
@@ -79,7 +79,8 @@ def _extend(x: torch.Tensor, *columns) -> torch.Tensor:
 
 class BlockedDMCAttention(torch.autograd.Function):
     """``apply(q [b, hq, n, d], k [b, hk, n, d], v [b, hk, n, dv], alpha [b, hk, n], scale, block,
-    key_block) -> out [b, hq, n, dv]`` (inputs validated by ``dmc_attention``)."""
+    key_block) -> out [b, hq, n, dv]`` (inputs validated by ``dmc_attention``; out's dims lie in
+    memory like q's, see ``empty_in_layout_of``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, alpha, scale, block, key_block):
@@ -91,7 +92,7 @@ class BlockedDMCAttention(torch.autograd.Function):
         kw, vw = k.to(wd).reshape(BH, n, d), v.to(wd).reshape(BH, n, dv)
         _, bias = gate_and_bias(alpha.to(wd).reshape(BH, n))
         k_bias = _extend(kw, bias.clamp_min(NEG_BIG))  # [k, bias]
-        out = torch.empty(BH, G, n, dv, dtype=wd, device=q.device)
+        out = empty_in_layout_of(q, dv, wd).view(BH, G, n, dv)
         lse = torch.empty(BH, G, n, dtype=wd, device=q.device)
 
         for i0 in range(0, n, block):

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._checks import work_dtype
+from ._checks import empty_in_layout_of, work_dtype
 from .attention_blocked import NEG_BIG
 
 _BIAS_FLOOR_BACKWARD = -60.0
@@ -120,7 +120,8 @@ def _past_backward(q, k, v, alpha, scale, free_channel, bias_floor, do, out, lse
 
 class FusedCPUDMCAttention(torch.autograd.Function):
     """``apply(q [b, hq, n, d], k [b, hk, n, d], v [b, hk, n, dv], alpha [b, hk, n], scale,
-    free_channel) -> out [b, hq, n, dv]`` (inputs validated by ``dmc_attention``)."""
+    free_channel) -> out [b, hq, n, dv]`` (inputs validated by ``dmc_attention``; out's dims lie in
+    memory like q's, see ``empty_in_layout_of``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, alpha, scale, free_channel):
@@ -136,7 +137,7 @@ class FusedCPUDMCAttention(torch.autograd.Function):
         lse = torch.logaddexp(lse_past, s_diag)
         w_past = (lse_past - lse).exp_().unsqueeze(-1)
         w_diag = (s_diag - lse).exp_()
-        out = out_past[..., :dv] * w_past
+        out = torch.mul(out_past[..., :dv], w_past, out=empty_in_layout_of(q, dv, wd))
         out.view(b, hk, G, n, dv).addcmul_(w_diag.view(b, hk, G, n, 1), v.to(wd).unsqueeze(2))
 
         ctx.save_for_backward(q, k, v, alpha, out, lse, s_diag)

@@ -4,7 +4,8 @@
 
 For bf16 and fp32, builds the model with 1 and 2 layers, runs one training-mode forward with labels
 and sums the unique storages saved for backward (parameters excluded); the difference is one layer. Checks
-dmc_train.cluster.memory.layer_activation_bytes against what the modules really keep.
+dmc_train.cluster.memory.layer_activation_bytes against what the modules really keep, and what a DMC
+layer keeps (``method=dmc``: the method's attention, at step 0) against a vanilla one.
 """
 
 import json
@@ -16,10 +17,13 @@ def saved_bytes(cfg) -> int:
     import torch
 
     from dmc_train import distributed
+    from dmc_train.methods import build_method
     from dmc_train.models.llama import build_model
 
     distributed.initialize(1, 1, None, cfg.train.seed, 5)
-    model = build_model(cfg)[0]
+    method = build_method(cfg)  # method=none: stock attention
+    model = method.prepare_model(build_model(cfg, attention=method.attention()))[0]
+    method.before_step(0, [model])
     model.train()
     storages = {}
 

@@ -147,10 +147,16 @@ class DMCSelfAttention(SelfAttention):
         values accumulated by Eq. 9 (``[s, b, g, d]``), so that RoPE rotates k~_t at position t."""
         st = self.dmc
         pre = st.rope_order == "pre"
+        # value is a view into the fused QKV projection's output [s, b, g, (G + 2) d]. The accumulation
+        # saves v for backward, which would pin all of that buffer, (G + 2) times v's own size; a
+        # compact copy lets it go after the forward (vanilla SDPA does pin it).
+        value = value.contiguous()
         if pre:
             k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, g, s, d]
             k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=st.accumulation, window=st.window)
-            key, value = (t.permute(2, 0, 1, 3).contiguous() for t in (k_t, v_t))
+            # v~ stays a view: the core attention permutes it back and saves the very tensor the
+            # accumulation saved (RoPE makes a new k~ anyway)
+            key, value = k_t.permute(2, 0, 1, 3).contiguous(), v_t.permute(2, 0, 1, 3)
         self.handoff.put((alpha, omega, pre))
         return key, value
 

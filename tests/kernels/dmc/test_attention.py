@@ -49,6 +49,26 @@ def test_dmc_attention_matches_dense(n, G, block, key_block, alpha_kind, impl):
     assert torch.isfinite(got_grads[3]).all()
 
 
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmc_attention_output_in_query_layout(b, impl):
+    """q a permuted view of megatron's [n, b, h, d]: the output's permute back and reshape to
+    [n, b, h * dv] is a view of the output itself (no second copy for the next layer to keep), and
+    the values and gradients are those of a contiguous q."""
+    q, k, v, _, gen = make_inputs(b=b, hk=2, G=2, n=21, d=8, dv=5, seed=13)
+    alpha = torch.rand(k.shape[:3], generator=gen)
+    q_nbhd = q.permute(2, 0, 1, 3).contiguous().requires_grad_()
+    out = dmc_attention(q_nbhd.permute(1, 2, 0, 3), k, v, alpha, block=8, key_block=8, impl=impl)
+    flat = out.permute(2, 0, 1, 3).reshape(21, b, -1)
+    assert flat.data_ptr() == out.data_ptr()
+    q_plain = q.clone().requires_grad_()
+    ref = dmc_attention(q_plain, k, v, alpha, block=8, key_block=8, impl=impl)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    dq, = random_vjp([out], [q_nbhd])
+    dq_ref, = random_vjp([ref], [q_plain])
+    torch.testing.assert_close(dq, dq_ref.permute(2, 0, 1, 3), atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dmc_attention_alpha_grad_at_one(impl):
     """At hard alpha = 1 the gradient is the one-sided derivative (finite), = the limit alpha -> 1."""
