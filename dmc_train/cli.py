@@ -21,8 +21,9 @@ from dmc_train.errors import ConfigError, TrainingDiverged, UserError, one_line
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 # Under torchrun the first rank to exit gets the others killed: ranks other than 0 wait this long before
-# reporting their error, so an error every rank hits is printed once, by rank 0.
-OTHER_RANKS_WAIT_S = 5.0
+# reporting their error, so an error every rank hits is printed once, by rank 0 (ranks start and check
+# their config independently, seconds apart on a loaded machine).
+OTHER_RANKS_WAIT_S = 10.0
 
 
 def precheck(argv: list[str], config_name: str = "config") -> Any:
@@ -101,17 +102,21 @@ def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
     if rank:  # see OTHER_RANKS_WAIT_S: torchrun stops this rank here if rank 0 reported the same error
         time.sleep(OTHER_RANKS_WAIT_S)
     print(f"error: {message}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        os._exit(code)  # at once: the process group's teardown at exit can wait for the other ranks
     sys.exit(code)
 
 
 def run_reporting_errors(fn: Callable[[], None]) -> None:
-    """Run ``fn``; user-facing errors (bad config, bad checkpoint) end in one line and exit code 2."""
+    """Run ``fn``; user-facing errors (bad config, bad checkpoint, a file system error such as a full disk)
+    end in one line and exit code 2."""
     from dmc_train.distributed import silence_expected_warnings
 
     silence_expected_warnings()
     try:
         fn()
-    except (UserError, FileNotFoundError) as e:
+    except (UserError, OSError) as e:
         fail(str(e))
     except TrainingDiverged as e:
         fail(str(e), EXIT_DIVERGED)

@@ -39,7 +39,7 @@ def assert_one_line_error(proc, *fragments):
 def test_bad_config_fails_in_one_line(tmp_path, override, fragments):
     proc = run([*TINY, f"run_dir={tmp_path}/run", override], check=False)
     assert_one_line_error(proc, *fragments)
-    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+    assert not os.path.exists(tmp_path / "run")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ def test_model_shape_mismatch(saved_run):
 def test_missing_checkpoint(tmp_path):
     proc = run([*TINY, f"run_dir={tmp_path}/run", f"checkpoint.resume={tmp_path}/nowhere"], check=False)
     assert_one_line_error(proc, "does not exist")
+    assert not os.path.exists(tmp_path / "run")  # rejected after Hydra started: nothing left behind
 
 
 def test_truncated_checkpoint(saved_run, tmp_path):

@@ -108,6 +108,14 @@ def small_disk(run_dir):
     return os.path.join(mnt, "run")
 
 
+def tiny_disk(run_dir):
+    """A fresh run directory on a 1 MiB tmpfs: the first checkpoint does not fit."""
+    mnt = os.path.join(os.path.dirname(run_dir), "tiny")
+    os.makedirs(mnt)
+    mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt)
+    return os.path.join(mnt, "run")
+
+
 def disk_grown(run_dir):
     """The small_disk case's run directory after its tmpfs was grown to 40 MiB."""
     mnt = os.path.join(os.path.dirname(os.path.dirname(run_dir)), "disk_full", "small")
@@ -145,6 +153,7 @@ class Case:
     error: Optional[list] = None  # fragments of the one error line; None: the run goes ahead
     output: list = field(default_factory=list)  # fragments expected in stdout + stderr
     steps: Optional[list] = None  # the steps in metrics.jsonl afterwards, each once
+    trains: bool = False  # an error case that trains before failing: only the checkpoints are unchanged
     check: Optional[Callable] = None  # more assertions: check(run_dir, result)
 
 
@@ -212,7 +221,10 @@ CASES = [
     Case("disk_full", small_disk, ["train.max_steps=6"],
          error=["no space left writing checkpoint {run_dir}/checkpoints/iter_0000004: it needs about 3.",
                 "the partial write was removed and checkpoints/latest still names iter_0000002"],
-         check=no_partial_write),
+         trains=True, check=no_partial_write),
+    Case("disk_full_first_save", tiny_disk, ["train.max_steps=2"], trains=True,
+         error=["no space left writing checkpoint {run_dir}/checkpoints/iter_0000002: it needs about 3.",
+                "the partial write was removed and no earlier checkpoint exists"]),
     Case("disk_full_then_resumed", disk_grown, ["train.max_steps=6"], output=["at step 2"],
          steps=[1, 2, 3, 4, 5, 6], check=newer_checkpoints_kept(["iter_0000002", "iter_0000004", "iter_0000006"])),
     # runs that go ahead
@@ -255,7 +267,7 @@ def test_fault(results, case):
         assert r["code"] == 2 and len(errors) == 1, (r["code"], r["stderr"][-3000:])
         for fragment in fill:
             assert fragment in errors[0], errors[0]
-        if case.id != "disk_full":  # what a save adds and removes again is checked by no_partial_write
+        if not case.trains:
             assert r["after"] == r["before"], "the run directory changed"
     else:
         assert r["code"] == 0, r["stderr"][-3000:]
@@ -268,3 +280,19 @@ def test_fault(results, case):
             assert [json.loads(line)["step"] for line in f] == case.steps
     if case.check is not None:
         case.check(run_dir, r)
+
+
+
+@pytest.mark.distributed
+def test_config_error_under_torchrun(tmp_path):
+    """Every rank checks the config before Hydra starts; rank 0 reports the error in one line and the other
+    rank, which waits before reporting, is stopped by torchrun. Nothing is created."""
+    run_dir = tmp_path / "run"
+    proc = run(["launch/pretrain.py", *COMMON, f"run_dir={run_dir}", "train.global_batch_size=6"], nproc=2,
+               check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0] == ("error: config error: train.global_batch_size=6 is not divisible by train.micro_batch_size "
+                         "x data-parallel size = 2x2")
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # torchrun's report: the user-error exit code
+    assert not run_dir.exists()

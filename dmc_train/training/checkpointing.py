@@ -327,7 +327,8 @@ def _save_failure(root: str, final: str, error: BaseException, state: dict) -> s
     tmp = final + ".tmp"
     if is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(os.path.join(root, LATEST + ".tmp"), ignore_errors=True)
+        if os.path.exists(os.path.join(root, LATEST + ".tmp")):
+            os.remove(os.path.join(root, LATEST + ".tmp"))
     pointer = _pointer_target(root)
     kept = (f"checkpoints/{LATEST} still names {pointer}, so checkpoint.resume=auto continues from there" if pointer
             else "no earlier checkpoint exists")
@@ -335,7 +336,7 @@ def _save_failure(root: str, final: str, error: BaseException, state: dict) -> s
     text = " ".join(str(e) for e in causes)
     if any(isinstance(e, OSError) and e.errno in _FULL for e in causes) or any(m in text for m in _FULL_TEXT):
         previous = newest_complete(root)
-        need = _dir_bytes(previous) if previous else _state_bytes(state) * world_size()
+        need = _dir_bytes(previous) if previous else _state_bytes(state)
         free = shutil.disk_usage(root).free
         return (f"no space left writing checkpoint {final}: it needs about {need / 2**20:.1f} MiB and "
                 f"{free / 2**20:.1f} MiB are free on {root}; free space, raise the quota or lower "
@@ -375,12 +376,14 @@ def _dir_bytes(path: str) -> int:
 
 
 def _state_bytes(state: dict) -> int:
-    """Bytes of the tensors this rank writes (its main replicas)."""
+    """About the bytes of a whole checkpoint: this rank's main replicas times the model-parallel size."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
-    return sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
-               if isinstance(v, ShardedTensor) and v.data is not None and is_main_replica(v.replica_id))
+    local = sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
+                if isinstance(v, ShardedTensor) and v.data is not None and is_main_replica(v.replica_id))
+    return local * parallel_state.get_tensor_model_parallel_world_size() * (
+        parallel_state.get_pipeline_model_parallel_world_size())
 
 
 def _write_sharded(state: dict, tmp: str) -> None:
@@ -460,11 +463,11 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
         chunk.module.load_state_dict(state[_model_key(i, len(model))], strict=True)
     if not full:
         return 0, 0
-    configured = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
         optimizer.load_state_dict(state["optimizer"])
-    for group, (max_lr, min_lr) in zip(optimizer.param_groups, configured):  # the config's lr applies on resume
-        group["max_lr"], group["min_lr"] = max_lr, min_lr
+    for group, settings in zip(optimizer.param_groups, configured):  # the config's lr, betas, ... apply on resume
+        group.update(settings)
     if state.get("adam_step") is not None:
         _set_adam_step(optimizer, state["adam_step"])
     scheduler.load_state_dict(state["scheduler"])
