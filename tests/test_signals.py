@@ -9,7 +9,8 @@ whatever the machine's speed), and gets the signal. Each case checks: the launch
 docs/CLUSTER.md, "What survives what"), a complete checkpoint at exactly that step, the requeue (SIGUSR1
 only), no traceback from any rank, and every checkpoint and metrics row written before byte-for-byte
 untouched. The last launch runs to the end, and the chain's losses must equal an uninterrupted run's
-exactly. The first case of each chain comes before any checkpoint exists.
+exactly. The first case of each chain comes before any checkpoint exists; the single process's first
+signal arrives during start-up (the model built, no step run yet).
 """
 
 import hashlib
@@ -41,6 +42,7 @@ class Case:
     sig: signal.Signals
     to: str  # "all" processes | the launcher's process "group" | the torchrun "agent" | "rank" 1 | "process"
     exit_code: int  # of the launched command (torchrun exits 1 after it forwarded a signal itself)
+    at: int  # the step after which the signal arrives (0: during start-up: the run stops after step 1)
     env: Optional[dict] = None
 
     @property
@@ -48,18 +50,18 @@ class Case:
         return self.sig == signal.SIGUSR1
 
 
-TWO_RANKS = [  # steps 2, 4, 6, ...: the first case comes before the first checkpoint
-    Case("usr1-all-wrapper", "wrapper", signal.SIGUSR1, "all", 0),  # Slurm --signal, proctrack/cgroup
-    Case("term-agent", "torchrun", signal.SIGTERM, "agent", 1),
-    Case("usr1-rank", "torchrun", signal.SIGUSR1, "rank", 0),
-    Case("term-all-wrapper", "wrapper", signal.SIGTERM, "all", 1),  # scancel / time limit, proctrack/cgroup
-    Case("usr1-agent", "torchrun", signal.SIGUSR1, "agent", 1, FORWARD_USR1),
-    Case("term-rank-wrapper", "wrapper", signal.SIGTERM, "rank", 0),
-    Case("usr1-group-wrapper", "wrapper", signal.SIGUSR1, "group", 0),  # Slurm --signal, proctrack/pgid
+TWO_RANKS = [  # the first case comes before the first checkpoint
+    Case("usr1-all-wrapper", "wrapper", signal.SIGUSR1, "all", 0, at=2),  # Slurm --signal, proctrack/cgroup
+    Case("term-agent", "torchrun", signal.SIGTERM, "agent", 1, at=4),
+    Case("usr1-rank", "torchrun", signal.SIGUSR1, "rank", 0, at=6),
+    Case("term-all-wrapper", "wrapper", signal.SIGTERM, "all", 1, at=8),  # scancel / time limit, proctrack/cgroup
+    Case("usr1-agent", "torchrun", signal.SIGUSR1, "agent", 1, at=10, env=FORWARD_USR1),
+    Case("term-rank-wrapper", "wrapper", signal.SIGTERM, "rank", 0, at=12),
+    Case("usr1-group-wrapper", "wrapper", signal.SIGUSR1, "group", 0, at=14),  # Slurm --signal, proctrack/pgid
 ]
 ONE_PROCESS = [
-    Case("usr1-process", "process", signal.SIGUSR1, "process", 0),
-    Case("term-process", "process", signal.SIGTERM, "process", 0),
+    Case("term-startup", "process", signal.SIGTERM, "process", 0, at=0),
+    Case("usr1-process", "process", signal.SIGUSR1, "process", 0, at=3),
 ]
 
 
@@ -112,8 +114,8 @@ def targets(case: Case, proc: subprocess.Popen) -> list[psutil.Process]:
             "rank": [rank1]}[case.to]
 
 
-def run_case(case: Case, step: int, run_dir, tmp_path, holds: list[int], nranks: int):
-    """Launch, wait until every rank holds after ``step``, deliver the case's signal, wait for the end."""
+def run_case(case: Case, run_dir, tmp_path, holds: list[int], nranks: int):
+    """Launch, wait until every rank holds at ``case.at``, deliver the case's signal, wait for the end."""
     hold_dir = tmp_path / "hold"
     log = tmp_path / f"{case.id}.log"
     args = [*TINY, f"run_dir={run_dir}", f"method.at=[{','.join(map(str, holds))}]", f"method.dir={hold_dir}"]
@@ -121,7 +123,7 @@ def run_case(case: Case, step: int, run_dir, tmp_path, holds: list[int], nranks:
         proc = subprocess.Popen(command(case.launcher, args), cwd=ROOT, env=environment(tmp_path, case.env),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        ready = [hold_dir / f"ready.{step}.{r}" for r in range(nranks)]
+        ready = [hold_dir / f"ready.{case.at}.{r}" for r in range(nranks)]
         deadline = time.monotonic() + 600
         while not all(p.exists() for p in ready):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
@@ -144,12 +146,13 @@ def run_chain(cases: list[Case], tmp_path, nranks: int):
     ref_proc = subprocess.run(command(launcher, [*TINY, f"run_dir={ref}"]), cwd=ROOT, env=environment(tmp_path),
                               capture_output=True, text=True, timeout=900)
     assert ref_proc.returncode == 0, ref_proc.stderr[-5000:]
-    holds = [2 * (i + 1) for i in range(len(cases))]
-    requeues = 0
-    for case, step in zip(cases, holds):
+    holds = [case.at for case in cases]
+    requeues, step = 0, 0
+    for case in cases:
+        step = case.at or step + 1  # where the run stops
         before = snapshot(run_dir) if run_dir.exists() else {}
         rows_before = (run_dir / "metrics.jsonl").read_bytes() if run_dir.exists() else b""
-        code, out = run_case(case, step, run_dir, tmp_path, holds, nranks)
+        code, out = run_case(case, run_dir, tmp_path, holds, nranks)
         where = f"case {case.id}: exit {code}\n{out[-6000:]}"
         assert code == case.exit_code, where
         assert max(losses(run_dir)) == step, where
