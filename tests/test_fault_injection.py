@@ -154,6 +154,7 @@ class Case:
     output: list = field(default_factory=list)  # fragments expected in stdout + stderr
     steps: Optional[list] = None  # the steps in metrics.jsonl afterwards, each once
     trains: bool = False  # an error case that trains before failing: only the checkpoints are unchanged
+    max_file_bytes: Optional[int] = None  # RLIMIT_FSIZE while the case runs (SIGXFSZ ignored)
     check: Optional[Callable] = None  # more assertions: check(run_dir, result)
 
 
@@ -225,6 +226,10 @@ CASES = [
     Case("disk_full_first_save", tiny_disk, ["train.max_steps=2"], trains=True,
          error=["no space left writing checkpoint {run_dir}/checkpoints/iter_0000002: it needs about 3.",
                 "the partial write was removed and no earlier checkpoint exists"]),
+    Case("file_size_limit", unchanged, ["train.max_steps=6"], trains=True, max_file_bytes=1_000_000,
+         error=["a file size limit or quota stopped writing checkpoint {run_dir}/checkpoints/iter_0000006 "
+                "(it needs about 3.",
+                "checkpoints/latest still names iter_0000004"]),
     Case("disk_full_then_resumed", disk_grown, ["train.max_steps=6"], output=["at step 2"],
          steps=[1, 2, 3, 4, 5, 6], check=newer_checkpoints_kept(["iter_0000002", "iter_0000004", "iter_0000006"])),
     # runs that go ahead

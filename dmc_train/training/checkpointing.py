@@ -334,20 +334,22 @@ def _save_failure(root: str, final: str, error: BaseException, state: dict) -> s
             else "no earlier checkpoint exists")
     causes = _causes(error)
     text = " ".join(str(e) for e in causes)
-    if any(isinstance(e, OSError) and e.errno in _FULL for e in causes) or any(m in text for m in _FULL_TEXT):
-        previous = newest_complete(root)
-        need = _dir_bytes(previous) if previous else _state_bytes(state)
-        free = shutil.disk_usage(root).free
+
+    def hit(errnos, messages):
+        return any(isinstance(e, OSError) and e.errno in errnos for e in causes) or any(m in text for m in messages)
+
+    previous = newest_complete(root)
+    need = _dir_bytes(previous) if previous else _state_bytes(state)
+    free = shutil.disk_usage(root).free
+    short_write = "unexpected pos" in text  # torch's report of a write cut short (full disk or file size limit)
+    if hit((errno.ENOSPC, errno.EDQUOT), ("No space left", "Disk quota exceeded")) or (short_write and free < need):
         return (f"no space left writing checkpoint {final}: it needs about {need / 2**20:.1f} MiB and "
                 f"{free / 2**20:.1f} MiB are free on {root}; free space, raise the quota or lower "
                 f"checkpoint.keep_last; the partial write was removed and {kept}")
+    if hit((errno.EFBIG,), ("File too large",)) or short_write:
+        return (f"a file size limit or quota stopped writing checkpoint {final} (it needs about {need / 2**20:.1f} "
+                f"MiB in all): raise the limit (ulimit -f) or the quota; the partial write was removed and {kept}")
     return f"checkpoint {final} could not be written ({_cause(error)}); the partial write was removed and {kept}"
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-# torch.distributed.checkpoint reports a short write (file size limit) as "unexpected pos"; its worker
-# exceptions reach us as text inside a CheckpointException.
-_FULL_TEXT = ("No space left", "Disk quota exceeded", "File too large", "unexpected pos")
 
 
 def _causes(error: BaseException) -> list[BaseException]:

@@ -9,9 +9,12 @@ case's ``prep``, hashes the watched paths, runs the case exactly as ``launch/pre
 the watched paths again. The test asserts on the results.
 """
 
+import contextlib
 import json
 import os
+import resource
 import shutil
+import signal
 import sys
 import traceback
 
@@ -46,6 +49,22 @@ def run_entry(overrides: list[str], out_path: str, err_path: str) -> int:
     return code
 
 
+@contextlib.contextmanager
+def file_size_limit(max_bytes):
+    """RLIMIT_FSIZE = ``max_bytes`` (None: unchanged), with SIGXFSZ ignored so a write fails with EFBIG."""
+    if max_bytes is None:
+        yield
+        return
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
 def main(work: str, results_path: str) -> None:
     silence_expected_warnings()
     register_schema()
@@ -65,7 +84,8 @@ def main(work: str, results_path: str) -> None:
         before = table.digests(run_dir)
         out, err = os.path.join(work, case.id, "stdout"), os.path.join(work, case.id, "stderr")
         overrides = [o.format(run_dir=run_dir, case_dir=os.path.dirname(run_dir)) for o in case.overrides]
-        code = run_entry([*table.COMMON, f"run_dir={run_dir}", *overrides], out, err)
+        with file_size_limit(case.max_file_bytes):
+            code = run_entry([*table.COMMON, f"run_dir={run_dir}", *overrides], out, err)
         results[case.id] = {"run_dir": run_dir, "code": code, "before": before, "after": table.digests(run_dir),
                             "stdout": open(out).read(), "stderr": open(err).read()}
         print(f"{case.id}: exit {code}", flush=True)
