@@ -160,7 +160,10 @@ def test_errors_name_the_problem(data, tmp_path):
         build([data["a"], data["b"]], str(tmp_path), weights=[1, 1], num_samples=(None, 1, 0))
     with pytest.raises(DataError, match="2 weights for 1 prefixes"):
         build([data["a"]], str(tmp_path), weights=[1, 1])
-    write_prefix(str(tmp_path / "small"), [[5, EOS]] * 3)
+    write_prefix(str(tmp_path / "tiny"), [[5, EOS]] * 3)
+    with pytest.raises(DataError, match="tiny holds 6 tokens, fewer than one training sequence"):
+        build([str(tmp_path / "tiny")], str(tmp_path), split="969,30,1", num_samples=(5, 0, 0))
+    write_prefix(str(tmp_path / "small"), [[5] * 8 + [EOS]] * 3)  # 3 documents, more than one sequence
     with pytest.raises(DataError, match="valid part of split '969,30,1' of .*small has no documents"):
         build([str(tmp_path / "small")], str(tmp_path), split="969,30,1")
     # an empty split asked for 0 samples is not built (megatron would loop forever on it)
