@@ -191,7 +191,7 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
         raise CheckpointError(
             f"checkpoint {ckpt} was saved at TP={saved['tensor']} PP={saved['pipeline']} with the distributed "
             f"optimizer, whose state cannot be resharded to TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline}; "
-            f"set checkpoint.load_optimizer=false to load the weights only")
+            f"load the weights only with checkpoint.load_optimizer=false checkpoint.resume={ckpt} in another run_dir")
     changed = [f"optim.{k}: {meta['config'].get('optim', {}).get(k)} -> {v}" for k, v in cfg.optim.items()
                if cfg.checkpoint.load_optimizer and v != meta["config"].get("optim", {}).get(k, v)]
     if changed:
