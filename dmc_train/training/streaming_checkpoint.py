@@ -19,7 +19,9 @@ does, and torch.distributed.checkpoint's ``FileSystemWriter`` writes the items t
 ``resolve_data`` produces each chunk's tensor only when the writer asks for it (one thread: in plan
 order, one at a time). ``common.pt`` and ``metadata.json`` come from megatron's own functions. So the
 files equal those :func:`~dmc_train.training.checkpointing.save_weights` writes for a TP=1 model with
-the same weights (same keys, chunks, dtypes and bytes), and peak memory is about one full tensor.
+the same weights (same keys, chunks, dtypes and bytes; tested). Memory: the tensor being converted,
+plus what the writer keeps: ``FileSystemWriter`` holds a reference to the last chunk it wrote of every
+key until the file is closed (a layer's chunks, the embedding and the output layer), not the model.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ class _StreamingPlanner(MCoreSavePlanner):
 
 def save_weights_streaming(cfg: Any, tensor_of: TensorFn, out: str, extra_meta: Optional[dict] = None) -> str:
     """Write the weights-only checkpoint ``out`` of the TP=1 model of ``cfg`` whose tensors ``tensor_of``
-    gives, one at a time (no two are held at once), cast to ``cfg.train.precision``. The files are
+    gives, one at a time, cast to ``cfg.train.precision``; an error of ``tensor_of`` (a missing tensor,
+    a wrong shape) is re-raised as it is, with nothing written. The files are
     those :func:`~dmc_train.training.checkpointing.save_weights` writes; as there, everything is written
     under ``out.tmp`` and renamed (``meta.json`` last). One process, distributed state at TP=1 PP=1.
     Returns ``out``."""
