@@ -156,16 +156,16 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
     """
     resume = cfg.checkpoint.resume
     root = checkpoint_root(cfg)
+    own = newest_complete(root)
     if resume == "none":
-        newest = newest_complete(root)
-        if newest is not None:
+        if own is not None:
             raise CheckpointError(
-                f"run_dir {cfg.run_dir} already holds checkpoints (newest {os.path.basename(newest)}) that "
+                f"run_dir {cfg.run_dir} already holds checkpoints (newest {os.path.basename(own)}) that "
                 f"checkpoint.resume=none would overwrite; use checkpoint.resume=auto to continue, another "
                 f"run_name / run_dir to start over, or delete {root}")
         return None
     if resume == "auto":
-        ckpt = newest_complete(root)
+        ckpt = own
         if ckpt is None:
             return None
         pointer = _pointer_target(root)
@@ -177,7 +177,6 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
                 f"stopped before the pointer was replaced); resuming from {os.path.basename(ckpt)}")
     else:
         ckpt = find_checkpoint(resume)
-    own = newest_complete(root)
     if not cfg.checkpoint.load_optimizer and own is not None:
         raise CheckpointError(
             f"checkpoint.load_optimizer=false restarts at step 0 and would overwrite the checkpoints in {root} "
@@ -192,10 +191,11 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
             f"checkpoint {ckpt} was saved at TP={saved['tensor']} PP={saved['pipeline']} with the distributed "
             f"optimizer, whose state cannot be resharded to TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline}; "
             f"load the weights only with checkpoint.load_optimizer=false checkpoint.resume={ckpt} in another run_dir")
-    changed = [f"optim.{k}: {meta['config'].get('optim', {}).get(k)} -> {v}" for k, v in cfg.optim.items()
-               if cfg.checkpoint.load_optimizer and v != meta["config"].get("optim", {}).get(k, v)]
-    if changed:
-        log(f"optimizer settings differ from checkpoint {os.path.basename(ckpt)} ({'; '.join(changed)}); the new "
+    saved_optim = meta["config"].get("optim", {})
+    differ = [f"optim.{k}: {saved_optim.get(k)} -> {v}" for k, v in cfg.optim.items()
+              if cfg.checkpoint.load_optimizer and v != saved_optim.get(k, v)]
+    if differ:
+        log(f"optimizer settings differ from checkpoint {os.path.basename(ckpt)} ({'; '.join(differ)}); the new "
             f"values apply from its step {meta['step']} on")
     return ckpt, meta
 
