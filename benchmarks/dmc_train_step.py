@@ -5,10 +5,11 @@
 Model: the base_tiny shape (4 layers, hidden 256, 8 heads of 32) with a 512-token vocabulary (so the
 output layer does not dominate), one sequence per step, fp32, one process. For each sequence length
 and variant (vanilla SDPA; DMC with exact accumulation; DMC with the paper's window of 12) a fresh
-process times full optimizer steps (forward, backward, Adam; median of ``--steps`` after one warm-up)
-and records the peak resident memory a step adds above the memory held before it (Linux VmHWM, reset
-before each step; glibc's mmap threshold is fixed at 64 KiB so freed tensors leave the resident set
-and every step's peak is seen). Ratios are DMC / vanilla at the same length.
+process times full optimizer steps (forward, backward, Adam; median of ``--steps`` after one
+warm-up; wall-clock and the process's CPU time, which other processes sharing the cores disturb
+less) and records the peak resident memory a step adds above the memory held before it (Linux
+VmHWM, reset before each step; glibc's mmap threshold is fixed at 64 KiB so freed tensors leave the
+resident set and every step's peak is seen). Ratios are DMC / vanilla at the same length.
 """
 
 import argparse
@@ -31,23 +32,25 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def measure(trainer, steps: int) -> tuple[float, float]:
-    """(median step seconds, max peak bytes above the pre-step RSS) over ``steps`` steps after a warm-up."""
+def measure(trainer, steps: int) -> tuple[float, float, float]:
+    """(median step seconds, median step CPU seconds, max peak bytes above the pre-step RSS) over
+    ``steps`` steps after a warm-up."""
     trainer.train_step()
-    times, peaks = [], []
+    times, cpu, peaks = [], [], []
     for _ in range(steps):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
         before = _status("VmRSS")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         peaks.append(_status("VmHWM") - before)
-    return statistics.median(times), max(peaks)
+    return statistics.median(times), statistics.median(cpu), max(peaks)
 
 
 def worker(n: int, variant: str, steps: int, max_len: int) -> None:
-    """One (length, variant) in this process; prints ``{"seconds": ..., "peak_bytes": ...}``."""
+    """One (length, variant) in this process; prints ``{"seconds": ..., "cpu_seconds": ..., "peak_bytes": ...}``."""
     import tempfile
 
     from dmc_train.recipes import load_config
@@ -59,8 +62,8 @@ def worker(n: int, variant: str, steps: int, max_len: int) -> None:
             f"model.max_position_embeddings={max_len}", f"train.seq_length={n}", "train.micro_batch_size=1",
             "train.global_batch_size=1", "train.max_steps=100", "logging.progress=false", f"run_dir={tmp}/run",
             "checkpoint.resume=none", *VARIANTS[variant]])
-        seconds, peak = measure(Trainer(cfg), steps)
-    print(json.dumps({"seconds": seconds, "peak_bytes": peak}))
+        seconds, cpu_seconds, peak = measure(Trainer(cfg), steps)
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_bytes": peak}))
 
 
 def main() -> None:
@@ -84,9 +87,9 @@ def main() -> None:
             if proc.returncode != 0:
                 sys.exit(f"error: {name} at n={n} failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            result[name] = (r["seconds"], r["peak_bytes"])
-            print(f"  n={n:5d} {name:10s} step {r['seconds'] * 1e3:8.1f} ms  peak +{r['peak_bytes'] / 2**20:7.1f} MiB",
-                  flush=True)
+            result[name] = (r["seconds"], r["peak_bytes"], r["cpu_seconds"])
+            print(f"  n={n:5d} {name:10s} step {r['seconds'] * 1e3:8.1f} ms (CPU {r['cpu_seconds'] * 1e3:8.1f} ms)  "
+                  f"peak +{r['peak_bytes'] / 2**20:7.1f} MiB", flush=True)
         rows.append(result)
 
     print("\nseq len | vanilla ms | DMC exact ms (x) | DMC window ms (x) | vanilla MiB | DMC exact MiB (x) | "
@@ -100,6 +103,11 @@ def main() -> None:
         for name in ("dmc_exact", "dmc_window"):
             cells.append(f"{r[name][1] / 2**20:8.1f} ({r[name][1] / v_m:.2f}x)")
         print(" | ".join(cells))
+    print("\nCPU time per step (user + system, all threads) | vanilla ms | DMC exact ms (x) | DMC window ms (x)")
+    for r in rows:
+        v_c = r["vanilla"][2]
+        print(f"{r['n']:7d} | {v_c * 1e3:10.1f} | " + " | ".join(
+            f"{r[name][2] * 1e3:8.1f} ({r[name][2] / v_c:.2f}x)" for name in ("dmc_exact", "dmc_window")))
     if args.out:
         plot(rows, args.out)
         print(f"plot: {args.out}")
