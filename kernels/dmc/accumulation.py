@@ -246,12 +246,11 @@ def _windowed_scan_backward(a, x, dh, window, want_alpha=True):
     if not want_alpha:
         return dx, None
     da = torch.zeros_like(a)
-    h = x  # H^(0)
+    h = x.clone()  # H^(0), grown in place to H^(q)
     for q in range(w - 1):
-        r = w - 2 - q  # m in [1, n - r): T_r(m) = decay[r][m] dh_{m+r}, paired with H^(q)_{m-1}
-        t = decay[r][..., 1:].unsqueeze(-1) * dh[..., r + 1 :, :]
-        da[..., 1 : n - r] += (t * h[..., : n - r - 1, :]).sum(-1)
+        r = w - 2 - q  # m in [1, n - r): <T_r(m), H^(q)_{m-1}> = decay[r][m] <dh_{m+r}, H^(q)_{m-1}>
+        da[..., 1 : n - r] += decay[r][..., 1:] * (dh[..., r + 1 :, :] * h[..., : n - r - 1, :]).sum(-1)
         if q + 1 < w - 1:
             s = q + 1
-            h = h + F.pad(decay[s].unsqueeze(-1) * x[..., : n - s, :], (0, 0, s, 0))
+            h[..., s:, :].addcmul_(decay[s].unsqueeze(-1), x[..., : n - s, :])
     return dx, da
