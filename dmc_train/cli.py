@@ -11,6 +11,7 @@ naming the cause instead, and a non-zero exit. Nothing is written before the con
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
@@ -103,8 +104,12 @@ def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
         time.sleep(OTHER_RANKS_WAIT_S)
     print(f"error: {message}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # At once: the process group's teardown at exit can wait for the other ranks. Helper processes
+        # (megatron's checkpoint writer) would outlive an os._exit, holding the job's output open.
+        for child in multiprocessing.active_children():
+            child.terminate()
         sys.stdout.flush()
-        os._exit(code)  # at once: the process group's teardown at exit can wait for the other ranks
+        os._exit(code)
     sys.exit(code)
 
 

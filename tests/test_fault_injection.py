@@ -246,17 +246,25 @@ CASES = [
 ]
 
 
+def unmount_under(path) -> None:
+    mounts = [line.split()[1] for line in open("/proc/mounts") if line.split()[1].startswith(str(path))]
+    for mnt in sorted(mounts, reverse=True):
+        subprocess.run(["umount", mnt], check=False)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def work(tmp_path_factory):
+    """The fault cases' directory; ``work/base`` is the base run once ``results`` ran."""
     work = tmp_path_factory.mktemp("faults")
-    try:
-        run(["tests/scripts/fault_cases.py", str(work), str(work / "results.json")], timeout=900)
-        with open(work / "results.json") as f:
-            yield json.load(f)
-    finally:
-        mounts = [line.split()[1] for line in open("/proc/mounts") if line.split()[1].startswith(str(work))]
-        for mnt in sorted(mounts, reverse=True):
-            subprocess.run(["umount", mnt], check=False)
+    yield work
+    unmount_under(work)
+
+
+@pytest.fixture(scope="module")
+def results(work):
+    run(["tests/scripts/fault_cases.py", str(work), str(work / "results.json")], timeout=900)
+    with open(work / "results.json") as f:
+        return json.load(f)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -301,3 +309,26 @@ def test_config_error_under_torchrun(tmp_path):
                          "x data-parallel size = 2x2")
     assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # torchrun's report: the user-error exit code
     assert not run_dir.exists()
+
+
+@pytest.mark.distributed
+def test_disk_full_under_torchrun(work, results, tmp_path):
+    """Both ranks write shards; the one that cannot reports through rank 0, every rank stops, the partial
+    write is removed and latest is untouched."""
+    try:
+        run_dir = small_disk(str(shutil.copytree(work / "base", tmp_path / "run")))
+    except Unavailable as e:
+        pytest.skip(str(e))
+    try:
+        before = digests(os.path.join(run_dir, "checkpoints"))
+        proc = run(["launch/pretrain.py", *COMMON, f"run_dir={run_dir}", "train.max_steps=6"], nproc=2, check=False,
+                   timeout=300)
+        after = digests(os.path.join(run_dir, "checkpoints"))
+    finally:
+        unmount_under(tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"no space left writing checkpoint {run_dir}/checkpoints/iter_0000004" in errors[0]
+    assert "checkpoints/latest still names iter_0000002" in errors[0]
+    assert "exitcode  : 2" in proc.stderr
+    assert after == before
