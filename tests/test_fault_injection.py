@@ -82,13 +82,17 @@ def fresh(run_dir):
 def short_corpus(run_dir):
     """A fresh run directory and, beside it, an indexed dataset of a few tokens (fewer than one sequence)."""
     from dmc_train.data.prepare import prepare_corpus
+    from dmc_train.data.tokenizer import train_sentencepiece
+    from tests.test_data_tokenizer import tiny_docs
 
     fresh(run_dir)
     case_dir = os.path.dirname(run_dir)
+    tokenizer = os.path.join(case_dir, "tok.model")
+    train_sentencepiece(tiny_docs(30), tokenizer, vocab_size=330)
     with open(os.path.join(case_dir, "tiny.txt"), "w") as f:
         f.write("To be, or not to be.\n")
     prepare_corpus([os.path.join(case_dir, "tiny.txt")], os.path.join(case_dir, "data", "tiny"),
-                   tokenizer="data_cache/shakespeare/tokenizer.model", progress=False, log=lambda *_: None)
+                   tokenizer=tokenizer, progress=False, log=lambda *_: None)
 
 
 def mount(*args: str) -> None:
