@@ -105,19 +105,22 @@ def small_disk(run_dir):
     """The run (killed after step 4, so it resumes at 2) on a 5 MiB tmpfs: room for iter_0000002 (3.3 MiB)
     but not for the next checkpoint."""
     killed_after_step_4(run_dir)
-    mnt = os.path.join(os.path.dirname(run_dir), "small")
-    os.makedirs(mnt)
-    mount("-t", "tmpfs", "-o", "size=5m", "tmpfs", mnt)
+    mnt = tmpfs(run_dir, "small", "size=5m")
     shutil.copytree(run_dir, os.path.join(mnt, "run"))
     return os.path.join(mnt, "run")
 
 
+def tmpfs(run_dir, name: str, options: str) -> str:
+    """A tmpfs mounted with ``options`` at ``<run_dir's parent>/<name>``; returns the mount point."""
+    mnt = os.path.join(os.path.dirname(run_dir), name)
+    os.makedirs(mnt)
+    mount("-t", "tmpfs", "-o", options, "tmpfs", mnt)
+    return mnt
+
+
 def tiny_disk(run_dir):
     """A fresh run directory on a 1 MiB tmpfs: the first checkpoint does not fit."""
-    mnt = os.path.join(os.path.dirname(run_dir), "tiny")
-    os.makedirs(mnt)
-    mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt)
-    return os.path.join(mnt, "run")
+    return os.path.join(tmpfs(run_dir, "tiny", "size=1m"), "run")
 
 
 def disk_grown(run_dir):
@@ -138,10 +141,7 @@ def read_only_copy(run_dir):
 
 
 def read_only_fs(run_dir):
-    mnt = os.path.join(os.path.dirname(run_dir), "ro")
-    os.makedirs(mnt)
-    mount("-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", mnt)
-    return os.path.join(mnt, "run")
+    return os.path.join(tmpfs(run_dir, "ro", "ro,size=1m"), "run")
 
 
 # ---- the table --------------------------------------------------------------------------------------------
