@@ -6,6 +6,8 @@ import pytest
 
 from tests.helpers import free_port, run_json
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):

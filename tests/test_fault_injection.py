@@ -20,6 +20,8 @@ import pytest
 
 from tests.helpers import run
 
+pytestmark = pytest.mark.slow
+
 COMMON = ["+recipe=tiny_pretrain", "train.eval_interval=0", "logging.progress=false", "checkpoint.save_interval=2"]
 BASE = [*COMMON, "train.max_steps=4"]
 CKPT2, CKPT4 = "checkpoints/iter_0000002", "checkpoints/iter_0000004"

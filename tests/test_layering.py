@@ -16,8 +16,9 @@ from tests.helpers import ROOT
 
 # Lower number = lower layer. A module may import its own component and lower layers only.
 LAYERS = {
-    "dmc_train": 0,  # the package's __init__ only (it imports nothing)
+    "dmc_train.megatron_import": 0,
     "dmc_train.errors": 0,
+    "dmc_train": 1,  # the package's __init__ only (it installs megatron_import's hooks)
     "dmc_train.config": 1,
     "dmc_train.distributed": 2,
     "dmc_train.plotting": 2,

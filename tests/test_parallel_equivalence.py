@@ -8,7 +8,7 @@ from tests.scripts.train_layouts import VARIANTS
 
 VARIANT_LAYOUTS = [f"{v}_{layout}" for v in VARIANTS for layout in ("tp2", "pp2")]
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from kernels.dmc import decisions
 from kernels.dmc.reference import dense_dmc_attention, reference_partial_accumulation
 from tests.helpers import run, run_json
 
+pytestmark = pytest.mark.slow
+
 TRAIN = ["launch/pretrain.py", "+recipe=tiny_pretrain", "method=dmc", "method.init_offset=0.0",
          "model.num_query_groups=4", "train.max_steps=3", "logging.progress=false"]
 

@@ -10,6 +10,8 @@ import torch
 
 from tests.helpers import run, run_json
 
+pytestmark = pytest.mark.slow
+
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 

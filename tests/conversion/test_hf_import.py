@@ -14,6 +14,8 @@ import torch
 from tests.helpers import run
 from tests.scripts.hf_import_checks import hf_logits, make, make_tokenizer, ragged
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = "tests/scripts/hf_import_checks.py"
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 KINDS = ("gqa", "mha_tied", "gqa_bin")

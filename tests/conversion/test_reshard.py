@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import run, run_json
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import pytest
 from tests.helpers import run, run_json
 from tests.test_data_tokenizer import tiny_docs
 
+pytestmark = pytest.mark.slow
+
 TRAIN = ["launch/pretrain.py", "+recipe=tiny_pretrain", "logging.progress=false", "train.eval_interval=0"]
 
 
