@@ -39,7 +39,7 @@ from dmc_train.errors import CheckpointError
 
 # What a truncated or corrupt checkpoint raises: many Exception types from megatron/pickle, and
 # torch.distributed.checkpoint's CheckpointException, which derives from BaseException.
-_READ_ERRORS = (Exception, CheckpointException)
+READ_ERRORS = (Exception, CheckpointException)
 LATEST = "latest"
 META = "meta.json"
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -313,7 +313,7 @@ def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, co
             os.replace(pointer, os.path.join(root, LATEST))
             _prune(root, cfg.checkpoint.keep_last)
         failure = None
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         failure = _save_failure(root, final, e, state)
     failure = first_message(failure)  # also the barrier: every rank fails (or succeeds) together
     if failure is not None:
@@ -487,7 +487,7 @@ def _load(request: dict, ckpt: str) -> dict:
     try:
         FileSystemReader(ckpt).read_metadata()
         return dist_checkpointing.load(request, ckpt)
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         raise CheckpointError(f"checkpoint {ckpt} could not be read ({_cause(e)}); it is truncated or corrupt - "
                               f"{_other_checkpoint(ckpt)}") from None
 
@@ -548,6 +548,11 @@ def save_weights(cfg: Any, model_chunks: list, out: str, extra_meta: Optional[di
     _write_sharded({_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)},
                    tmp)
     if is_rank0():
-        _publish(cfg, tmp, out, _meta(cfg, 0, 0, False, {"weights_only": True, **(extra_meta or {})}))
+        publish_weights(cfg, tmp, out, extra_meta)
     barrier()
     return out
+
+
+def publish_weights(cfg: Any, tmp: str, out: str, extra_meta: Optional[dict] = None) -> None:
+    """Rank 0: complete the weights-only checkpoint written into ``tmp`` and rename it to ``out``."""
+    _publish(cfg, tmp, out, _meta(cfg, 0, 0, False, {"weights_only": True, **(extra_meta or {})}))

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from dmc_train.distributed import barrier, world_size
 from dmc_train.errors import CheckpointError, ConfigError, UserError
 from dmc_train.models.llama import build_model
-from dmc_train.training.checkpointing import _READ_ERRORS, _meta, _publish, find_checkpoint, read_meta
+from dmc_train.training.checkpointing import READ_ERRORS, find_checkpoint, publish_weights, read_meta
 
 __all__ = ["meta_model", "save_weights_streaming", "CheckpointTensors", "checkpoint_config"]
 
@@ -140,7 +140,7 @@ def save_weights_streaming(cfg: Any, tensor_of: TensorFn, out: str, extra_meta: 
         raise
     strategy = get_default_save_sharded_strategy()
     save_config(CheckpointingConfig(strategy.backend, strategy.version), tmp)
-    _publish(cfg, tmp, out, _meta(cfg, 0, 0, False, {"weights_only": True, **(extra_meta or {})}))
+    publish_weights(cfg, tmp, out, extra_meta)
     barrier()
     return out
 
@@ -180,7 +180,7 @@ class CheckpointTensors:
                                                                 (0, layer, shape[0]))
         try:
             state = dist_checkpointing.load(request, self.ckpt, validate_access_integrity=False)
-        except _READ_ERRORS as e:
+        except READ_ERRORS as e:
             raise CheckpointError(f"checkpoint {self.ckpt} could not be read ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}); it is truncated or "
                                   f"corrupt") from None
