@@ -19,7 +19,8 @@ resumes (``resume=auto``). GQA runs start from ``checkpoints_tools/convert_gqa.p
 held-out perplexity and the KV-cache compression (DMC and pooling: measured on the test split with
 the hard, inference-time decisions), writes ``results.json`` under the preset's folder in runs/, a
 plot ``docs/retrofit_<preset>.png`` and, for the study, per-head CR heatmaps
-``docs/retrofit_study_heatmaps.png``.
+``docs/retrofit_study_heatmaps.png`` and the training-time CR against its target
+``docs/retrofit_study_cr.png``.
 """
 
 import argparse
@@ -241,6 +242,31 @@ def heatmaps(rows: list[dict], path: str) -> None:
     print(f"heatmaps: {path}")
 
 
+def cr_curves(preset: str, names: list[str], path: str) -> None:
+    """Training-time compression (relaxed decisions, logged every few steps) against the CR target, one
+    line per DMC / pooling run: whether the decisions follow the ramp."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        if name.startswith("gqa"):
+            continue
+        with open(os.path.join(ROOT, run_dir(preset, name), "metrics.jsonl")) as f:
+            rows = [r for r in map(json.loads, f) if "cr" in r]
+        line, = ax.plot([r["step"] for r in rows], [r["cr"] for r in rows], label=name)
+        ax.plot([r["step"] for r in rows], [r["target_cr"] for r in rows], ls=":", color=line.get_color())
+    ax.set_xlabel("retrofit step")
+    ax.set_ylabel("compression in training (dotted: target)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"CR curves: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="study", choices=list(PRESETS))
@@ -270,6 +296,7 @@ def main() -> None:
     plot(rows, os.path.join(ROOT, f"docs/retrofit_{args.preset}.png"), preset["title"])
     if args.preset == "study":
         heatmaps(rows, os.path.join(ROOT, "docs/retrofit_study_heatmaps.png"))
+        cr_curves(args.preset, names, os.path.join(ROOT, "docs/retrofit_study_cr.png"))
 
 
 if __name__ == "__main__":
