@@ -11,7 +11,8 @@ Presets:
   ramp over 160 steps, then 60 steps at the target. Runs vary one factor at a time: the target
   (2x, 4x), the RoPE order (post, pre), the CR-loss form (paper, released), and, for the schedule,
   DMC's own schedule (constant LR, cosine over the last 60 steps) at 2x; for the number of optimizer
-  steps, the same tokens in 960 steps of 4 sequences (ramp 640 steps) at 2x.
+  steps, the same tokens in 960 steps of 4 sequences (ramp 640 steps): ``*_steps`` runs at 2x (both
+  RoPE orders, both CR-loss forms) and 4x.
 - ``tiny``: the first comparison (base ``runs/base_tiny`` from README command 1, 400 steps x
   8,192 tokens, DMC on its own constant-then-cosine schedule, GQA cosine).
 
@@ -38,6 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # runs/ and 
 _DMC = ["+recipe=dmc_tiny"]
 _GQA = ["+recipe=gqa_tiny"]
 _POOL = ["+recipe=dmc_tiny", "method=fixed_pooling"]
+# The study's tokens in 4x the optimizer steps (960 x 4 sequences instead of 240 x 16), ramp 4x longer.
+_STEPS = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "method.zero_out_steps=80",
+          "method.ramp_steps=640", "train.eval_interval=240", "checkpoint.save_interval=240"]
 
 PRESETS = {
     "tiny": {
@@ -76,14 +80,10 @@ PRESETS = {
             "pool4": _POOL + ["method.target_cr=4"],
             # DMC's own schedule (constant LR, cosine to 10 % over the 60 steps at the target).
             "dmc2_dmcsched": _DMC + ["method.target_cr=2", "optim.schedule=constant", "method.finetune_steps=60"],
-            # The same tokens in 4x the optimizer steps (batch 4 instead of 16): zero-out, ramp 4x longer.
-            "dmc2_steps": _DMC + ["method.target_cr=2", "train.max_steps=960", "train.global_batch_size=4",
-                                  "train.micro_batch_size=4", "method.zero_out_steps=80", "method.ramp_steps=640",
-                                  "train.eval_interval=240", "checkpoint.save_interval=240"],
-            "dmc2_steps_pre": _DMC + ["method.target_cr=2", "method.rope_order=pre", "train.max_steps=960",
-                                      "train.global_batch_size=4", "train.micro_batch_size=4",
-                                      "method.zero_out_steps=80", "method.ramp_steps=640",
-                                      "train.eval_interval=240", "checkpoint.save_interval=240"],
+            "dmc2_steps": _DMC + ["method.target_cr=2", *_STEPS],
+            "dmc2_steps_pre": _DMC + ["method.target_cr=2", "method.rope_order=pre", *_STEPS],
+            "dmc2_steps_released": _DMC + ["method.target_cr=2", "method.cr_loss=released", *_STEPS],
+            "dmc4_steps": _DMC + ["method.target_cr=4", *_STEPS],
         },
         "title": "Retrofitting base_tiny_long (0.98M tokens each, one LR schedule)",
     },
@@ -211,7 +211,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     for r in rows[1:]:  # single-point variants, labelled
-        if r["name"] in ("dmc2_released", "dmc2_dmcsched", "dmc2_steps", "dmc2_steps_pre"):
+        if r["name"] in ("dmc2_released", "dmc2_dmcsched") or "_steps" in r["name"]:
             ax.scatter([r["cr"]], [r["test_ppl"]], marker="x", zorder=3)
             ax.annotate(r["name"], (r["cr"], r["test_ppl"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel("KV-cache compression (DMC/pooling: achieved on test)")
