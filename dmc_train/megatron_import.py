@@ -16,7 +16,6 @@ remove work this project never uses (docs/DESIGN.md#the-cpu-compatibility-layer)
 """
 
 import importlib.abc
-import importlib.util
 import queue
 import sys
 
