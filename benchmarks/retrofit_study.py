@@ -43,6 +43,17 @@ _POOL = ["+recipe=dmc_tiny", "method=fixed_pooling"]
 _STEPS = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "method.zero_out_steps=80",
           "method.ramp_steps=640", "train.eval_interval=240", "checkpoint.save_interval=240"]
 
+# The ramp regime: the same tokens in 960 steps of 4 sequences under one schedule for every method,
+# constant LR then a cosine to 10 % over the last 240 steps (optim.schedule=wsd); DMC ramps over 560
+# steps after an 80-step zero-out and holds the target for the last 320.
+_RAMP = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "optim.schedule=wsd",
+         "optim.anneal_steps=240", "train.eval_interval=240", "checkpoint.save_interval=240"]
+_RAMP_DMC = [*_RAMP, "method.zero_out_steps=80", "method.ramp_steps=560"]
+# The same in 1,920 steps of 2 sequences.
+_RAMP2 = ["train.max_steps=1920", "train.global_batch_size=2", "train.micro_batch_size=2", "optim.schedule=wsd",
+          "optim.anneal_steps=480", "train.eval_interval=480", "checkpoint.save_interval=480"]
+_RAMP2_DMC = [*_RAMP2, "method.zero_out_steps=160", "method.ramp_steps=1120"]
+
 PRESETS = {
     "tiny": {
         "base": ("runs/base_tiny", ["+recipe=base_tiny"]),
@@ -84,6 +95,8 @@ PRESETS = {
             "dmc2_steps_pre": _DMC + ["method.target_cr=2", "method.rope_order=pre", *_STEPS],
             "dmc2_steps_released": _DMC + ["method.target_cr=2", "method.cr_loss=released", *_STEPS],
             "dmc4_steps": _DMC + ["method.target_cr=4", *_STEPS],
+            "dmc2_ramp": _DMC + ["method.target_cr=2", *_RAMP_DMC],
+            "dmc2_ramp2": _DMC + ["method.target_cr=2", *_RAMP2_DMC],
         },
         "title": "Retrofitting base_tiny_long (0.98M tokens each, one LR schedule)",
     },

@@ -50,9 +50,10 @@ class ParallelConfig:
 class OptimConfig:
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # min lr = lr * min_lr_ratio (cosine / linear decay end)
-    schedule: str = "cosine"  # constant | linear | cosine
+    schedule: str = "cosine"  # constant | linear | cosine | wsd (constant, then cosine over anneal_steps)
     warmup_steps: int = 0
     decay_steps: Optional[int] = None  # default: train.max_steps - warmup
+    anneal_steps: int = 0  # wsd: the last anneal_steps of the decay steps follow a cosine to the min lr
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -123,7 +124,7 @@ class Config:
 
 
 _CHOICES = {
-    "optim.schedule": ("constant", "linear", "cosine"),
+    "optim.schedule": ("constant", "linear", "cosine", "wsd"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.recompute": ("none", "selective", "full"),
     "data.kind": ("synthetic", "indexed"),
@@ -162,6 +163,10 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1")
     if t.max_steps < 1 and not t.max_tokens:
         raise ConfigError("set train.max_steps >= 1 or train.max_tokens")
+    o = cfg.optim
+    if o.schedule == "wsd" and not 1 <= o.anneal_steps <= (o.decay_steps or t.max_steps) - o.warmup_steps:
+        raise ConfigError(f"optim.schedule=wsd needs 1 <= optim.anneal_steps <= the decay steps after warm-up "
+                          f"({(o.decay_steps or t.max_steps) - o.warmup_steps}); got optim.anneal_steps={o.anneal_steps}")
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
     return layout

@@ -71,7 +71,9 @@ class Scheduler(OptimizerParamScheduler):
 
 
 def build_scheduler(cfg: Any, optimizer, total_steps: int) -> Scheduler:
-    """LR per optimizer step: linear warm-up, then constant / linear / cosine to ``lr * min_lr_ratio``.
+    """LR per optimizer step: linear warm-up, then constant / linear / cosine to ``lr * min_lr_ratio``,
+    or ``wsd``: constant, then a cosine to ``lr * min_lr_ratio`` over the last ``anneal_steps`` of the
+    decay steps (megatron's warmup-stable-decay).
 
     Megatron's scheduler counts samples; we step it by 1 per optimizer step so its units are steps.
     On resume only the step count comes from the checkpoint: the config's lr, schedule and warm-up apply
@@ -87,11 +89,13 @@ def build_scheduler(cfg: Any, optimizer, total_steps: int) -> Scheduler:
         min_lr=o.lr * o.min_lr_ratio if o.schedule != "constant" else o.lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=decay,
-        lr_decay_style=o.schedule,
+        lr_decay_style="WSD" if o.schedule == "wsd" else o.schedule,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
         wd_incr_steps=decay,
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
+        wsd_decay_steps=o.anneal_steps if o.schedule == "wsd" else None,
+        lr_wsd_decay_style="cosine" if o.schedule == "wsd" else None,
     )
