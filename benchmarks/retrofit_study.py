@@ -43,13 +43,9 @@ _POOL = ["+recipe=dmc_tiny", "method=fixed_pooling"]
 _STEPS = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "method.zero_out_steps=80",
           "method.ramp_steps=640", "train.eval_interval=240", "checkpoint.save_interval=240"]
 
-# The ramp regime: the same tokens in 960 steps of 4 sequences under one schedule for every method,
-# constant LR then a cosine to 10 % over the last 240 steps (optim.schedule=wsd); DMC ramps over 560
-# steps after an 80-step zero-out and holds the target for the last 320.
-_RAMP = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "optim.schedule=wsd",
-         "optim.anneal_steps=240", "train.eval_interval=240", "checkpoint.save_interval=240"]
-_RAMP_DMC = [*_RAMP, "method.zero_out_steps=80", "method.ramp_steps=560"]
-# The same in 1,920 steps of 2 sequences.
+# The ramp regime: the same tokens in 1,920 steps of 2 sequences under one schedule for every method,
+# constant LR then a cosine to 10 % over the last 480 steps (optim.schedule=wsd); DMC ramps over 1,120
+# steps after a 160-step zero-out and holds the target for the last 640.
 _RAMP2 = ["train.max_steps=1920", "train.global_batch_size=2", "train.micro_batch_size=2", "optim.schedule=wsd",
           "optim.anneal_steps=480", "train.eval_interval=480", "checkpoint.save_interval=480"]
 _RAMP2_DMC = [*_RAMP2, "method.zero_out_steps=160", "method.ramp_steps=1120"]
@@ -95,8 +91,15 @@ PRESETS = {
             "dmc2_steps_pre": _DMC + ["method.target_cr=2", "method.rope_order=pre", *_STEPS],
             "dmc2_steps_released": _DMC + ["method.target_cr=2", "method.cr_loss=released", *_STEPS],
             "dmc4_steps": _DMC + ["method.target_cr=4", *_STEPS],
-            "dmc2_ramp": _DMC + ["method.target_cr=2", *_RAMP_DMC],
             "dmc2_ramp2": _DMC + ["method.target_cr=2", *_RAMP2_DMC],
+            "gqa2_ramp2": _GQA + ["model.num_query_groups=4", *_RAMP2],
+            "gqa4_ramp2": _GQA + ["model.num_query_groups=2", *_RAMP2],
+            "dmc4_ramp2": _DMC + ["method.target_cr=4", *_RAMP2_DMC],
+            "pool2_ramp2": _POOL + ["method.target_cr=2", *_RAMP2_DMC],
+            "pool4_ramp2": _POOL + ["method.target_cr=4", *_RAMP2_DMC],
+            "dmc2_ramp2_pre": _DMC + ["method.target_cr=2", "method.rope_order=pre", *_RAMP2_DMC],
+            "dmc2_ramp2_released": _DMC + ["method.target_cr=2", "method.cr_loss=released", *_RAMP2_DMC],
+            "dmc4_ramp2_pre": _DMC + ["method.target_cr=4", "method.rope_order=pre", *_RAMP2_DMC],
         },
         "title": "Retrofitting base_tiny_long (0.98M tokens each, one LR schedule)",
     },
@@ -159,10 +162,9 @@ def convert(base: str, groups: int) -> None:
              f"GQA conversion to {groups} groups")
 
 
-def train_all(preset: str, names: list[str], parallel: int) -> None:
-    """Train and evaluate every run not finished yet, ``parallel`` at a time (threads split evenly)."""
+def train_all(preset: str, names: list[str], parallel: int, threads: int) -> None:
+    """Train and evaluate every run not finished yet, ``parallel`` at a time with ``threads`` threads each."""
     os.makedirs(os.path.join(ROOT, "runs/logs"), exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // parallel)
     pending = [n for n in names if not os.path.exists(os.path.join(ROOT, run_dir(preset, n), "eval.json"))]
     active = []
     t0 = time.time()
@@ -294,6 +296,7 @@ def main() -> None:
     parser.add_argument("--preset", default="study", choices=list(PRESETS))
     parser.add_argument("--runs", nargs="+", help="a subset of the preset's runs (default: all)")
     parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="threads per run (default: the cores split evenly)")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     names = args.runs or list(preset["runs"])
@@ -305,7 +308,7 @@ def main() -> None:
     for name in names:
         if name.startswith("gqa"):
             convert(base, load_config(run_args(args.preset, name)).model.num_query_groups)
-    train_all(args.preset, names, args.parallel)
+    train_all(args.preset, names, args.parallel, args.threads or max(1, (os.cpu_count() or 1) // args.parallel))
 
     rows = results(args.preset, base, names)
     print("\nrun            | KV compression | valid ppl | test ppl")

@@ -349,7 +349,7 @@ def _save_failure(root: str, final: str, error: BaseException, state: dict) -> s
     if hit((errno.EFBIG,), ("File too large",)) or short_write:
         return (f"a file size limit or quota stopped writing checkpoint {final} (it needs about {need / 2**20:.1f} "
                 f"MiB in all): raise the limit (ulimit -f) or the quota; the partial write was removed and {kept}")
-    return f"checkpoint {final} could not be written ({_cause(error)}); the partial write was removed and {kept}"
+    return f"checkpoint {final} could not be written ({error_cause(error)}); the partial write was removed and {kept}"
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -366,7 +366,7 @@ def _causes(error: BaseException) -> list[BaseException]:
     return found
 
 
-def _cause(error: BaseException) -> str:
+def error_cause(error: BaseException) -> str:
     """The root exception of ``error`` in one short line (a CheckpointException's text holds tracebacks)."""
     inner = [e for e in _causes(error) if not isinstance(e, CheckpointException)] or [error]
     text = " ".join(str(inner[-1]).split()) if not isinstance(inner[-1], CheckpointException) else ""
@@ -488,7 +488,7 @@ def _load(request: dict, ckpt: str) -> dict:
         FileSystemReader(ckpt).read_metadata()
         return dist_checkpointing.load(request, ckpt)
     except READ_ERRORS as e:
-        raise CheckpointError(f"checkpoint {ckpt} could not be read ({_cause(e)}); it is truncated or corrupt - "
+        raise CheckpointError(f"checkpoint {ckpt} could not be read ({error_cause(e)}); it is truncated or corrupt - "
                               f"{_other_checkpoint(ckpt)}") from None
 
 

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from dmc_train.distributed import barrier, world_size
 from dmc_train.errors import CheckpointError, ConfigError, UserError
 from dmc_train.models.llama import build_model
-from dmc_train.training.checkpointing import READ_ERRORS, find_checkpoint, publish_weights, read_meta
+from dmc_train.training.checkpointing import READ_ERRORS, error_cause, find_checkpoint, publish_weights, read_meta
 
 __all__ = ["meta_model", "save_weights_streaming", "CheckpointTensors", "checkpoint_config"]
 
@@ -181,9 +181,8 @@ class CheckpointTensors:
         try:
             state = dist_checkpointing.load(request, self.ckpt, validate_access_integrity=False)
         except READ_ERRORS as e:
-            raise CheckpointError(f"checkpoint {self.ckpt} could not be read ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}); it is truncated or "
-                                  f"corrupt") from None
+            raise CheckpointError(f"checkpoint {self.ckpt} could not be read ({error_cause(e)}); it is truncated "
+                                  f"or corrupt") from None
         return {name: state[name][0] if self.entries[name][2] is not None else state[name] for name in names}
 
 

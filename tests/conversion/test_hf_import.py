@@ -128,6 +128,7 @@ def test_bad_inputs_fail_in_one_line_and_leave_nothing(hf_models, imported, tmp_
         "tokenizer": _copy(hf_models / "gqa", tmp_path / "tokenizer"),
         "verify": _copy(hf_models / "gqa", tmp_path / "verify"),
         "corrupt": _copy(hf_models / "gqa", tmp_path / "corrupt"),
+        "truncated_written": _copy(hf_models / "gqa", tmp_path / "truncated_written"),
     }
     shard = tmp_path / "truncated" / "model-00003-of-00005.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -148,6 +149,7 @@ def test_bad_inputs_fail_in_one_line_and_leave_nothing(hf_models, imported, tmp_
         "verify": "the imported model's logits differ from the Hugging Face model's",
         # one layer's o_proj corrupted on disk after writing: the streaming verification finds it
         "corrupt": "the imported model's logits differ from the Hugging Face model's",
+        "truncated_written": "could not be read (EOFError); it is truncated or corrupt",
     }
     for case, text in expected.items():
         error = res[case]["error"]

@@ -192,13 +192,21 @@ def errors(out_path: str, *cases: str) -> None:
         save_weights_streaming(cfg, tensor_of, out, extra_meta)
         corrupt_tensor(out, "decoder.layers.self_attention.linear_proj.weight", 2)
 
+    def truncating(cfg, tensor_of, out, extra_meta):
+        save_weights_streaming(cfg, tensor_of, out, extra_meta)
+        for f in os.listdir(out):
+            if f.endswith(".distcp"):
+                os.truncate(os.path.join(out, f), 100)
+
     for case in cases:
         name, hf_dir = case.split("=", 1)
         out = hf_dir + "_out"
         # "verify": a good model with a tolerance no result meets, so the final logit check fails
         conversion.LOGIT_TOLERANCE["float32"] = -1.0 if name == "verify" else fp32
         # "corrupt": a good model whose written checkpoint gets one tensor corrupted before the verification
-        hf_import.save_weights_streaming = corrupting if name == "corrupt" else save_weights_streaming
+        # "truncated_written": its written shards are cut to 100 bytes before the verification reads them
+        hf_import.save_weights_streaming = {"corrupt": corrupting, "truncated_written": truncating}.get(
+            name, save_weights_streaming)
         try:
             hf_import.import_hf(hf_dir, out)
             res[name] = {"error": None}
