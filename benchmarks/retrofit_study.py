@@ -6,13 +6,15 @@
 
 Presets:
 - ``study``: base ``runs/base_tiny_long`` (``+recipe=base_tiny_long``, 9.8M tokens; trained here first
-  when missing), every retrofit 240 steps x 4,096 tokens = 0.98M tokens (10 % of the base budget),
-  one LR schedule for every method (cosine 5e-4 -> 5e-5, no warm-up). DMC: zero-out 20 steps, CR
-  ramp over 160 steps, then 60 steps at the target. Runs vary one factor at a time: the target
-  (2x, 4x), the RoPE order (post, pre), the CR-loss form (paper, released), and, for the schedule,
-  DMC's own schedule (constant LR, cosine over the last 60 steps) at 2x; for the number of optimizer
-  steps, the same tokens in 960 steps of 4 sequences (ramp 640 steps): ``*_steps`` runs at 2x (both
-  RoPE orders, both CR-loss forms) and 4x.
+  when missing), every retrofit 0.98M tokens (10 % of the base budget) at LR 5e-4, in three regimes:
+  - 240 steps x 16 sequences, one cosine schedule (5e-4 -> 5e-5) for every method; DMC zero-out 20
+    steps, ramp 160, 60 at the target: GQA, DMC and pooling at 2x/4x, and DMC's own schedule
+    (constant LR, cosine over the last 60 steps) at 2x (``dmc2_dmcsched``);
+  - ``*_steps``: the same tokens in 960 steps of 4 sequences (ramp 640), cosine: DMC 2x (both RoPE
+    orders, both CR-loss forms) and 4x;
+  - ``*_ramp2``: the same tokens in 1,920 steps of 2 sequences under one WSD schedule for every method
+    (constant LR, cosine to 10 % over the last 480 steps); DMC zero-out 160, ramp 1,120, 640 at the
+    target: GQA, DMC (both RoPE orders) and pooling at 2x/4x, the released CR loss at 2x.
 - ``tiny``: the first comparison (base ``runs/base_tiny`` from README command 1, 400 steps x
   8,192 tokens, DMC on its own constant-then-cosine schedule, GQA cosine).
 
@@ -80,11 +82,7 @@ PRESETS = {
             "dmc2": _DMC + ["method.target_cr=2"],
             "gqa4": _GQA + ["model.num_query_groups=2"],
             "dmc4": _DMC + ["method.target_cr=4"],
-            "dmc2_pre": _DMC + ["method.target_cr=2", "method.rope_order=pre"],
-            "dmc4_pre": _DMC + ["method.target_cr=4", "method.rope_order=pre"],
-            "dmc2_released": _DMC + ["method.target_cr=2", "method.cr_loss=released"],
             "pool2": _POOL + ["method.target_cr=2"],
-            "pool4": _POOL + ["method.target_cr=4"],
             # DMC's own schedule (constant LR, cosine to 10 % over the 60 steps at the target).
             "dmc2_dmcsched": _DMC + ["method.target_cr=2", "optim.schedule=constant", "method.finetune_steps=60"],
             "dmc2_steps": _DMC + ["method.target_cr=2", *_STEPS],
@@ -209,30 +207,46 @@ def _ppl(ev: dict) -> dict:
     return {"valid_ppl": ev["valid_ppl"], "test_ppl": ev["test_ppl"]}
 
 
+_LINES = {"dmc": "DMC (post, paper loss)", "dmc_pre": "DMC, rope_order=pre", "gqa": "GQA",
+          "pool": "Fixed Memory Pooling"}
+
+
+def _line(name: str) -> tuple[bool, str | None]:
+    """(ramp regime?, plot line) of run ``name``; line None for a single variant (e.g. ``dmc2_released``)."""
+    ramp = "_ramp2" in name
+    kind = name.replace("_ramp2", "")
+    line = {"dmc2": "dmc", "dmc4": "dmc", "dmc2_pre": "dmc_pre", "dmc4_pre": "dmc_pre", "gqa2": "gqa", "gqa4": "gqa",
+            "pool2": "pool", "pool4": "pool"}.get(kind)
+    return ramp, line
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
+    """Test perplexity against compression, one line per method; ramp-regime runs in a second panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    families = {"dmc": ("DMC (post, paper loss)", lambda n: n in ("dmc2", "dmc4")),
-                "dmc_pre": ("DMC, rope_order=pre", lambda n: n in ("dmc2_pre", "dmc4_pre")),
-                "gqa": ("GQA", lambda n: n.startswith("gqa")),
-                "pool": ("Fixed Memory Pooling", lambda n: n.startswith("pool"))}
-    ax.axhline(rows[0]["test_ppl"], color="gray", ls="--", lw=1, label="base model (no extra training)")
-    for label, member in families.values():
-        pts = sorted((r["cr"], r["test_ppl"]) for r in rows[1:] if member(r["name"]))
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    for r in rows[1:]:  # single-point variants, labelled
-        if r["name"] in ("dmc2_released", "dmc2_dmcsched") or "_steps" in r["name"]:
-            ax.scatter([r["cr"]], [r["test_ppl"]], marker="x", zorder=3)
-            ax.annotate(r["name"], (r["cr"], r["test_ppl"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.set_xlabel("KV-cache compression (DMC/pooling: achieved on test)")
-    ax.set_ylabel("test perplexity")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    panels = [(False, "240 steps x 16 sequences (x: variants)")]
+    if any(_line(r["name"])[0] for r in rows[1:]):
+        panels.append((True, "1,920 steps x 2 sequences, one WSD schedule"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False, sharey=True)
+    for ax, (ramp, subtitle) in zip(axes[0], panels):
+        ax.axhline(rows[0]["test_ppl"], color="gray", ls="--", lw=1, label="base model (no extra training)")
+        mine = [r for r in rows[1:] if _line(r["name"])[0] == ramp]
+        for key, label in _LINES.items():
+            pts = sorted((r["cr"], r["test_ppl"]) for r in mine if _line(r["name"])[1] == key)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        for r in mine:
+            if _line(r["name"])[1] is None:  # single variants, labelled
+                ax.scatter([r["cr"]], [r["test_ppl"]], marker="x", zorder=3)
+                ax.annotate(r["name"], (r["cr"], r["test_ppl"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.set_xlabel("KV-cache compression (DMC/pooling: achieved on test)")
+        ax.set_title(subtitle, fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("test perplexity")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -240,51 +254,66 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def heatmaps(rows: list[dict], path: str) -> None:
-    """Achieved CR per layer x KV head on the test split, one panel per learned-DMC run (log colour)."""
+    """Achieved CR per layer x KV head on the test split, one panel per learned-DMC run that compresses
+    (log colour), five panels per row."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    runs = [r for r in rows if r["name"].startswith("dmc") and r.get("cr_per_head")]
+    runs = [r for r in rows if r["name"].startswith("dmc") and r.get("cr_per_head") and r["cr"] > 1.05]
     if not runs:
         return
-    fig, axes = plt.subplots(1, len(runs), figsize=(2.6 * len(runs), 2.6), squeeze=False)
+    cols = min(5, len(runs))
+    rows_ = math.ceil(len(runs) / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(2.8 * cols + 1, 2.6 * rows_), squeeze=False, layout="constrained")
     vmax = max(2.0, max(float(np.nanmax(np.asarray(r["cr_per_head"], dtype=float))) for r in runs))
     norm = matplotlib.colors.LogNorm(vmin=1.0, vmax=vmax)
-    for ax, r in zip(axes[0], runs):
+    for ax in axes.flat[len(runs):]:
+        ax.axis("off")
+    for ax, r in zip(axes.flat, runs):
         data = np.asarray(r["cr_per_head"], dtype=float)
         im = ax.imshow(data, cmap="viridis", norm=norm, aspect="auto", origin="lower")
+        ax.set_xticks(range(data.shape[1]))
+        ax.set_yticks(range(data.shape[0]))
         ax.set_title(f"{r['name']} ({r['cr']:.2f}x)", fontsize=8)
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_ylabel("layer", fontsize=7)
         ax.tick_params(labelsize=6)
-    fig.colorbar(im, ax=axes[0].tolist(), label="CR (log)")
+    fig.colorbar(im, ax=axes.ravel().tolist(), label="CR (log)")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"heatmaps: {path}")
 
 
 def cr_curves(preset: str, names: list[str], path: str) -> None:
-    """Training-time compression (relaxed decisions, logged every few steps) against the CR target, one
-    line per DMC / pooling run: whether the decisions follow the ramp."""
+    """Training-time compression (relaxed decisions, logged every few steps) against the CR target, per
+    DMC / pooling run, over the tokens seen: whether the decisions follow the ramp. Ramp-regime runs in
+    a second panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in names:
-        if name.startswith("gqa"):
-            continue
-        with open(os.path.join(ROOT, run_dir(preset, name), "metrics.jsonl")) as f:
-            rows = [r for r in map(json.loads, f) if "cr" in r]
-        line, = ax.plot([r["step"] for r in rows], [r["cr"] for r in rows], label=name)
-        ax.plot([r["step"] for r in rows], [r["target_cr"] for r in rows], ls=":", color=line.get_color())
-    ax.set_xlabel("retrofit step")
-    ax.set_ylabel("compression in training (dotted: target)")
-    ax.legend(fontsize=7)
+    runs = [n for n in names if not n.startswith(("gqa", "pool"))]
+    ramp = [n for n in runs if "_ramp2" in n]
+    panels = [p for p in ([n for n in runs if n not in ramp], ramp) if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False, sharey=True)
+    for ax, panel in zip(axes[0], panels):
+        for name in panel:
+            cfg = load_config(run_args(preset, name))
+            per_step = cfg.train.global_batch_size * cfg.train.seq_length / 1e6
+            with open(os.path.join(ROOT, cfg.run_dir, "metrics.jsonl")) as f:
+                rows = [r for r in map(json.loads, f) if "cr" in r]
+            tokens = [r["step"] * per_step for r in rows]
+            line, = ax.plot(tokens, [r["cr"] for r in rows], label=f"{name} ({cfg.train.max_steps} steps)")
+            ax.plot(tokens, [r["target_cr"] for r in rows], ls=":", color=line.get_color())
+        ax.set_xlabel("retrofit tokens (M)")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("compression in training (dotted: target)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
