@@ -32,7 +32,8 @@ from dmc_train.distributed import without_cpu_compat_mode
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.methods.configs import DMCSettings
-from kernels.dmc import decisions
+from dmc_train.models.norm import rms_norm
+from kernels.dmc import decisions, rotate_half_rope
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,12 +61,6 @@ class ModelShape:
                    m.vocab_size, m.norm_epsilon, float(m.rotary_base), m.max_position_embeddings)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As training's RMSNorm: in fp32, then back to ``x``'s dtype."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it);
     angles in fp32, as megatron-core."""
@@ -73,10 +68,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     freqs = positions.float()[..., None] * inv_freq  # [..., d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    half = d // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return rotate_half_rope(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
 
 
 class LlamaForInference:

@@ -25,6 +25,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from dmc_train.models.norm import rms_norm
+from kernels.dmc import rotate_half_rope
+
 __all__ = ["streaming_logits", "layer_names"]
 
 Fetch = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -36,15 +39,6 @@ _LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj
 def layer_names(i: int) -> list[str]:
     """The Hugging Face names of layer ``i``'s nine tensors."""
     return [f"model.layers.{i}.{n}" for n in _LAYER]
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def _rope(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,15 +54,15 @@ def _layer(x: torch.Tensor, w: dict[str, torch.Tensor], heads: int, kv_heads: in
     """One decoder layer on ``x [b, s, hidden]`` (fp32) with the layer's tensors ``w`` (short names)."""
     b, s, hidden = x.shape
     d = hidden // heads
-    h = _rms_norm(x, w["input_layernorm.weight"], eps)
+    h = rms_norm(x, w["input_layernorm.weight"], eps)
     q = F.linear(h, w["self_attn.q_proj.weight"].float()).view(b, s, heads, d).transpose(1, 2)
     k = F.linear(h, w["self_attn.k_proj.weight"].float()).view(b, s, kv_heads, d).transpose(1, 2)
     v = F.linear(h, w["self_attn.v_proj.weight"].float()).view(b, s, kv_heads, d).transpose(1, 2)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
     k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, hidden)
     x = x + F.linear(attn, w["self_attn.o_proj.weight"].float())
-    h = _rms_norm(x, w["post_attention_layernorm.weight"], eps)
+    h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
     mlp = F.silu(F.linear(h, w["mlp.gate_proj.weight"].float())) * F.linear(h, w["mlp.up_proj.weight"].float())
     return x + F.linear(mlp, w["mlp.down_proj.weight"].float())
 
@@ -87,5 +81,5 @@ def streaming_logits(fetch: Fetch, model: Any, tokens: torch.Tensor) -> torch.Te
         got = fetch(names)
         x = _layer(x, {short: got[n] for short, n in zip(_LAYER, names)}, heads, kv_heads, eps, cos, sin)
         del got
-    x = _rms_norm(x, fetch(["model.norm.weight"])["model.norm.weight"], eps)
+    x = rms_norm(x, fetch(["model.norm.weight"])["model.norm.weight"], eps)
     return F.linear(x, fetch(["lm_head.weight"])["lm_head.weight"].float())

@@ -8,6 +8,12 @@ megatron's torch-norm wrapper asserts when ``sequence_parallel`` is on; its weig
 import torch
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32, back in ``x``'s dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 class RMSNorm(torch.nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim; input ``[s, b, h]``."""
 
@@ -18,7 +24,4 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
