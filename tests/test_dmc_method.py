@@ -63,18 +63,20 @@ def test_cr_reduction_waits_for_every_model_chunk():
         tracker.record(torch.full((1, 1, 4), 0.25), layer, 0)
         tracker.end_chunk(chunk)
     tracker.target_cr = 1.0
-    assert tracker._partial[0][0, :3].tolist() == [2 * 4 * 0.75, 0, 8]  # both layers of micro-batch 0
+    assert tracker._partial[0][:, 0, :3].sum(0).tolist() == [2 * 4 * 0.75, 0, 8]  # both layers of micro-batch 0
     assert tracker.loss(1) == pytest.approx(0.0)
     tracker.target_cr = 2.0
     assert tracker.loss(0) == pytest.approx((6 - 4) / 8)
 
 
+@pytest.mark.parametrize("form", ["per_head", "per_layer_head"])
 @pytest.mark.parametrize("target_cr", [1.5, 3.0])
-def test_per_head_form_gradient_is_straight_through_per_head(target_cr):
-    """cr_loss=per_head: mean over heads of max(0, 1 - 1/CR - mean hard alpha of the head),
-    hard decisions with a straight-through gradient; compared with autograd of exactly that."""
+def test_head_forms_gradient_is_straight_through_per_head(target_cr, form):
+    """cr_loss=per_head: mean over heads of max(0, 1 - 1/CR - mean hard alpha of the head over all
+    layers); per_layer_head: the same per (layer, head). Hard decisions with a straight-through
+    gradient; compared with autograd of exactly that."""
     shapes = [(2, 4, 6), (2, 4, 6)]
-    tracker = CRLossTracker(num_layers=2, num_heads=4, form="per_head")
+    tracker = CRLossTracker(num_layers=2, num_heads=4, form=form)
     tracker.target_cr = target_cr
     alphas = _alphas(3, shapes)
     alphas[1].data[:, 0] = 0.9  # head 0 accumulates a lot: its hinge is inactive
@@ -86,13 +88,18 @@ def test_per_head_form_gradient_is_straight_through_per_head(target_cr):
     sum((a * weights).sum() for a in wired).backward()
 
     st = [(a > 0.5).double() + a - a.detach() for a in ref_alphas]
-    mean_hard = torch.stack([x.mean(dim=(0, 2)) for x in st]).mean(0)  # per head, over layers, batch, tokens
+    mean_hard = torch.stack([x.mean(dim=(0, 2)) for x in st])  # [layers, heads], over batch and tokens
+    if form == "per_head":
+        mean_hard = mean_hard.mean(0)  # per head, over layers too
     loss = torch.clamp(1 - 1 / target_cr - mean_hard, min=0).mean()
     (sum((a * weights).sum() for a in ref_alphas) + 2 * 6 * loss).backward()
     assert tracker.loss(0) == pytest.approx(loss.item(), abs=1e-12)
     for a, r in zip(alphas, ref_alphas):
         torch.testing.assert_close(a.grad, r.grad)
-    assert len({round(float(g), 12) for g in (alphas[0].grad - weights)[0, :, 0]}) > 1  # per-head hinge
+    assert len({round(float(g), 12) for a in alphas for g in (a.grad - weights)[0, :, 0]}) > 1  # per-head hinges
+    if target_cr == 3.0:  # head 0: layer 1 merges everything, layer 0 too little; only per_layer_head pushes layer 0
+        pushed = [float((a.grad - weights)[0, 0, 0]) != 0 for a in alphas]
+        assert pushed == ([True, False] if form == "per_layer_head" else [False, False])
 
 
 @pytest.mark.parametrize("target_cr", [1.5, 3.0])

@@ -27,10 +27,11 @@ LAYOUTS = {
 DMC = ["method=dmc", "method.target_cr=2", "method.init_offset=0.5", "model.num_query_groups=4"]
 LAYOUTS.update({f"dmc_{name}": DMC + LAYOUTS[name] for name in ("ref", "tp2", "pp2", "vpp2")})
 # Variants whose sums cross ranks in other ways: DMC-C and DMC-HardC (means over the heads of a layer,
-# split by TP) and the released per-head CR loss (per-head sums over layers, split by PP).
+# split by TP), the released CR loss (per-sequence sums over all layers and heads) and the
+# per-(layer, head) CR loss (indexed by the global layer, split by PP).
 # rope_order=pre accumulates in DMCSelfAttention (before RoPE), on each rank's slice of KV heads.
 VARIANTS = {"dmcc": ["method.variant=c"], "hardc": ["method.variant=hardc"], "released": ["method.cr_loss=released"],
-            "pre": ["method.rope_order=pre"]}
+            "per_layer_head": ["method.cr_loss=per_layer_head"], "pre": ["method.rope_order=pre"]}
 for variant, extra in VARIANTS.items():
     LAYOUTS[f"{variant}_ref"] = DMC + extra
     LAYOUTS[f"{variant}_tp2"] = DMC + extra + ["parallel.tensor=2"]

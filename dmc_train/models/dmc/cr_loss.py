@@ -1,6 +1,6 @@
 """DMC's compression-ratio loss over the whole model, under tensor and pipeline parallelism.
 
-Three forms (``method.cr_loss``):
+Four forms (``method.cr_loss``):
 
 - ``paper`` (Eq. 10, default): ``l_CR = max(0, S - N / CR) / N`` with ``S = sum_{l,h,t} (1 - alpha)``
   over *all* layers, KV heads and tokens of the micro-batch and ``N`` their count.
@@ -9,8 +9,10 @@ Three forms (``method.cr_loss``):
   the soft alphas), then ``l_CR = mean_s max(0, 1 - 1/CR - a_s)``. The released code takes the mean
   per sequence and tensor-parallel shard of heads (so its loss depends on the TP layout); here the
   mean runs over all heads of all layers, the same for every layout.
-- ``per_head``: the same hinge per KV head ``h`` instead, ``a_h`` over layers, sequences and tokens,
-  ``l_CR = mean_h max(0, 1 - 1/CR - a_h)``: every head must reach the target on its own.
+- ``per_head``: the same hinge per KV-head index ``h`` instead, ``a_h`` over layers, sequences and
+  tokens, ``l_CR = mean_h max(0, 1 - 1/CR - a_h)``: head h of all layers together must reach the target.
+- ``per_layer_head``: the hinge per (layer, KV head), ``a_lh`` over sequences and tokens,
+  ``l_CR = mean_lh max(0, 1 - 1/CR - a_lh)``: every head of every layer must reach the target on its own.
 
 All need sums over all layers and heads, i.e. over the tensor- and pipeline-parallel ranks, before
 the hinge. A blocking collective in the forward would deadlock a pipeline schedule (stage 0 runs
@@ -38,21 +40,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-FORMS = ("paper", "released", "per_head")
-# Columns of the per-micro-batch, per-KV-head sums (per sequence: HARD and COUNT).
+FORMS = ("paper", "released", "per_head", "per_layer_head")
+# Columns of the per-micro-batch, per-(layer, KV head) sums (per sequence: HARD and COUNT).
 KEEP, HARD, COUNT, CONSTRAINT = range(4)
 
 
 class CRLossTracker:
     """Per-rank bookkeeping of the CR loss for the micro-batches of the running schedule.
 
-    ``num_layers`` / ``num_heads``: the full model's layer and KV-head counts (heads are indexed
-    globally). ``group``: the model-parallel (TP x PP) process group, or None when this rank holds
-    the whole model. ``form``: ``paper`` or ``released`` (module docstring).
+    ``num_layers`` / ``num_heads``: the full model's layer and KV-head counts (layers and heads are
+    indexed globally). ``group``: the model-parallel (TP x PP) process group, or None when this rank
+    holds the whole model. ``form``: one of :data:`FORMS` (module docstring).
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_chunks: int = 1, group=None, form: str = "paper"):
-        self.num_heads, self.num_chunks, self.group, self.form = num_heads, num_chunks, group, form
+        self.num_layers, self.num_heads, self.num_chunks, self.group, self.form = (num_layers, num_heads, num_chunks,
+                                                                                   group, form)
         self.target_cr = 1.0
         self.stats = torch.zeros(num_layers, num_heads, 2, dtype=torch.float64)  # (appends, decisions)
         self._forwards = defaultdict(int)  # chunk -> forwards run so far (= its next micro-batch index)
@@ -61,7 +64,7 @@ class CRLossTracker:
     def _reset_microbatches(self) -> None:
         self.active: Optional[int] = None  # micro-batch whose forward is running
         self._buffers: dict[int, torch.Tensor] = {}  # m -> the flat buffer of both views below (one all-reduce)
-        self._partial: dict[int, torch.Tensor] = {}  # m -> [heads, 4] sums of this rank's layers
+        self._partial: dict[int, torch.Tensor] = {}  # m -> [layers, heads, 4] sums (this rank's layers filled)
         self._per_seq: dict[int, torch.Tensor] = {}  # m -> [b, 2] (HARD, COUNT) per sequence of the micro-batch
         self._tokens: dict[int, int] = {}  # m -> tokens in the micro-batch (b * n)
         self._done: dict[int, int] = defaultdict(int)  # m -> chunks of this rank done with m
@@ -69,11 +72,12 @@ class CRLossTracker:
         self._forwards.clear()
 
     def _sums(self, m: int, batch: int = 0) -> torch.Tensor:
-        """The [heads, 4] sums of micro-batch m (``batch``: its sequences, known at the first record)."""
+        """The [layers, heads, 4] sums of micro-batch m (``batch``: its sequences, known at the first record)."""
         if m not in self._partial:
-            h = self.num_heads * 4
+            h = self.num_layers * self.num_heads * 4
             buf = torch.zeros(h + 2 * batch, dtype=torch.float64)
-            self._buffers[m], self._partial[m], self._per_seq[m] = buf, buf[:h].view(-1, 4), buf[h:].view(-1, 2)
+            self._buffers[m], self._per_seq[m] = buf, buf[h:].view(-1, 2)
+            self._partial[m] = buf[:h].view(self.num_layers, self.num_heads, 4)
         return self._partial[m]
 
     # -- forward bookkeeping (model-chunk hooks) --------------------------------------------------
@@ -101,7 +105,7 @@ class CRLossTracker:
         a = alpha.detach().double()
         hard = (a > 0.5).double()
         heads = slice(head_offset, head_offset + h)
-        sums = self._sums(m, b)
+        sums = self._sums(m, b)[layer]
         self._per_seq[m][:, 0] += hard.sum(dim=(1, 2))
         self._per_seq[m][:, 1] += h * n
         sums[heads, KEEP] += (1 - a).sum(dim=(0, 2))
@@ -113,7 +117,7 @@ class CRLossTracker:
         self.stats[layer, heads, 0] += (1 - hard).sum(dim=(0, 2))
         self.stats[layer, heads, 1] += b * n
         if alpha.requires_grad:
-            return _InjectCRGradient.apply(alpha, self, m, head_offset)
+            return _InjectCRGradient.apply(alpha, self, m, layer, head_offset)
         return alpha
 
     # -- values needed at backward / loss time ----------------------------------------------------
@@ -123,37 +127,46 @@ class CRLossTracker:
             work.wait()
         return self._partial[m]
 
+    def _hinged(self, m: int) -> torch.Tensor:
+        """The per-sequence (``released``), per-head or per-(layer, head) sums [..., HARD / COUNT] the
+        hinge applies to."""
+        if self.form == "released":
+            return self._per_seq[m]
+        sums = self._global_sums(m)
+        return sums[..., HARD:COUNT + 1].sum(0) if self.form == "per_head" else sums[..., HARD:COUNT + 1]
+
     def loss(self, m: int) -> float:
         """The CR loss of micro-batch m (all layers and heads of the model)."""
         sums = self._global_sums(m)
         if self.form == "paper":
-            n = sums[:, COUNT].sum()
-            return float((sums[:, KEEP].sum() - n / self.target_cr).clamp(min=0) / n)
-        mean_hard = self._per_seq[m][:, 0] / self._per_seq[m][:, 1] if self.form == "released" else \
-            sums[:, HARD] / sums[:, COUNT]
-        return float((1 - 1 / self.target_cr - mean_hard).clamp(min=0).mean())
+            n = sums[..., COUNT].sum()
+            return float((sums[..., KEEP].sum() - n / self.target_cr).clamp(min=0) / n)
+        hinged = self._hinged(m)
+        return float((1 - 1 / self.target_cr - hinged[..., 0] / hinged[..., 1]).clamp(min=0).mean())
 
     def constraint_loss(self, m: int) -> float:
         """The DMC-C term of micro-batch m, normalised per decision like Eq. 10."""
         sums = self._global_sums(m)
-        return float(sums[:, CONSTRAINT].sum() / sums[:, COUNT].sum())
+        return float(sums[..., CONSTRAINT].sum() / sums[..., COUNT].sum())
 
-    def alpha_gradient(self, m: int, head_offset: int, heads: int) -> torch.Tensor:
-        """``d (l_CR * tokens) / d alpha`` for the alphas ``[b, heads, n]`` of micro-batch m whose first
-        KV head is global head ``head_offset``; broadcastable: ``[1, heads, 1]`` or, per sequence, ``[b, 1, 1]``."""
+    def alpha_gradient(self, m: int, layer: int, head_offset: int, heads: int) -> torch.Tensor:
+        """``d (l_CR * tokens) / d alpha`` for the alphas ``[b, heads, n]`` of micro-batch m in global
+        layer ``layer`` whose first KV head is global head ``head_offset``; broadcastable:
+        ``[1, heads, 1]`` or, per sequence, ``[b, 1, 1]``."""
         sums = self._global_sums(m)
         tokens = self._tokens[m]
-        if self.form == "released":
-            hard, count = self._per_seq[m][:, 0], self._per_seq[m][:, 1]
-            active = (hard / count < 1 - 1 / self.target_cr).double()
-            return (-tokens * active / (len(count) * count)).view(-1, 1, 1)
         if self.form == "paper":
-            n = sums[:, COUNT].sum()
-            active = float(sums[:, KEEP].sum() > n / self.target_cr)
-            coef = torch.full((self.num_heads,), -tokens * active / float(n), dtype=torch.float64)
-        else:
-            active = (sums[:, HARD] / sums[:, COUNT] < 1 - 1 / self.target_cr).double()
-            coef = -tokens * active / (self.num_heads * sums[:, COUNT])
+            n = sums[..., COUNT].sum()
+            active = float(sums[..., KEEP].sum() > n / self.target_cr)
+            return torch.full((1, heads, 1), -tokens * active / float(n), dtype=torch.float64)
+        # hinge forms: d mean_i max(0, 1 - 1/CR - hard_i / count_i) / d alpha = -1 / (groups * count_i) if active
+        hinged = self._hinged(m)
+        hard, count = hinged[..., 0], hinged[..., 1]
+        coef = -tokens * (hard / count < 1 - 1 / self.target_cr).double() / (hard.numel() * count)
+        if self.form == "released":
+            return coef.view(-1, 1, 1)
+        if self.form == "per_layer_head":
+            coef = coef[layer]
         return coef[head_offset: head_offset + heads].view(1, -1, 1)
 
     # -- step boundaries --------------------------------------------------------------------------
@@ -176,14 +189,14 @@ class _InjectCRGradient(torch.autograd.Function):
     """Identity in forward; adds the CR loss's gradient to ``alpha [b, h, n]`` in backward."""
 
     @staticmethod
-    def forward(ctx, alpha, tracker, m, head_offset):
-        ctx.tracker, ctx.m, ctx.head_offset = tracker, m, head_offset
+    def forward(ctx, alpha, tracker, m, layer, head_offset):
+        ctx.tracker, ctx.m, ctx.layer, ctx.head_offset = tracker, m, layer, head_offset
         return alpha.view_as(alpha)
 
     @staticmethod
     def backward(ctx, grad):
-        coef = ctx.tracker.alpha_gradient(ctx.m, ctx.head_offset, grad.shape[1])
-        return grad + coef.to(grad.dtype), None, None, None
+        coef = ctx.tracker.alpha_gradient(ctx.m, ctx.layer, ctx.head_offset, grad.shape[1])
+        return grad + coef.to(grad.dtype), None, None, None, None
 
 
 class AttachLoss(torch.autograd.Function):
