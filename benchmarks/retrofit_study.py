@@ -14,7 +14,8 @@ Presets:
     orders, both CR-loss forms) and 4x;
   - ``*_ramp2``: the same tokens in 1,920 steps of 2 sequences under one WSD schedule for every method
     (constant LR, cosine to 10 % over the last 480 steps); DMC zero-out 160, ramp 1,120, 640 at the
-    target: GQA, DMC (both RoPE orders) and pooling at 2x/4x, the released and per-(layer, head) CR losses at 2x.
+    target: GQA, DMC (both RoPE orders) and pooling at 2x/4x, the released and per-(layer, head) CR losses at 2x;
+    GQA and DMC 2x at a lower LR (``*_lr``).
 - ``tiny``: the first comparison (base ``runs/base_tiny`` from README command 1, 400 steps x
   8,192 tokens, DMC on its own constant-then-cosine schedule, GQA cosine).
 
@@ -99,6 +100,9 @@ PRESETS = {
             "dmc2_ramp2_released": _DMC + ["method.target_cr=2", "method.cr_loss=released", *_RAMP2_DMC],
             "dmc4_ramp2_pre": _DMC + ["method.target_cr=4", "method.rope_order=pre", *_RAMP2_DMC],
             "dmc2_ramp2_per_layer_head": _DMC + ["method.target_cr=2", "method.cr_loss=per_layer_head", *_RAMP2_DMC],
+            # The ramp regime at LR 1.75e-4 (5e-4 / sqrt(8): square-root scaling for 8x smaller batches).
+            "gqa2_ramp2_lr": _GQA + ["model.num_query_groups=4", *_RAMP2, "optim.lr=1.75e-4"],
+            "dmc2_ramp2_lr": _DMC + ["method.target_cr=2", *_RAMP2_DMC, "optim.lr=1.75e-4"],
         },
         "title": "Retrofitting base_tiny_long (0.98M tokens each, one LR schedule)",
     },
