@@ -15,7 +15,7 @@ Presets:
   - ``*_ramp2``: the same tokens in 1,920 steps of 2 sequences under one WSD schedule for every method
     (constant LR, cosine to 10 % over the last 480 steps); DMC zero-out 160, ramp 1,120, 640 at the
     target: GQA, DMC (both RoPE orders) and pooling at 2x/4x, the released and per-(layer, head) CR losses at 2x;
-    GQA and DMC 2x at a lower LR (``*_lr``).
+    GQA and DMC 2x at a lower LR (``*_lr``), and in 960 steps of 4 sequences (``*_ramp4``, same shape).
 - ``tiny``: the first comparison (base ``runs/base_tiny`` from README command 1, 400 steps x
   8,192 tokens, DMC on its own constant-then-cosine schedule, GQA cosine).
 
@@ -52,6 +52,10 @@ _STEPS = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch
 _RAMP2 = ["train.max_steps=1920", "train.global_batch_size=2", "train.micro_batch_size=2", "optim.schedule=wsd",
           "optim.anneal_steps=480", "train.eval_interval=480", "checkpoint.save_interval=480"]
 _RAMP2_DMC = [*_RAMP2, "method.zero_out_steps=160", "method.ramp_steps=1120"]
+# The same schedule shape in 960 steps of 4 sequences (zero-out 80, ramp 560, 320 at the target).
+_RAMP4 = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "optim.schedule=wsd",
+          "optim.anneal_steps=240", "train.eval_interval=240", "checkpoint.save_interval=240"]
+_RAMP4_DMC = [*_RAMP4, "method.zero_out_steps=80", "method.ramp_steps=560"]
 
 PRESETS = {
     "tiny": {
@@ -103,6 +107,8 @@ PRESETS = {
             # The ramp regime at LR 1.75e-4 (5e-4 / sqrt(8): square-root scaling for 8x smaller batches).
             "gqa2_ramp2_lr": _GQA + ["model.num_query_groups=4", *_RAMP2, "optim.lr=1.75e-4"],
             "dmc2_ramp2_lr": _DMC + ["method.target_cr=2", *_RAMP2_DMC, "optim.lr=1.75e-4"],
+            "gqa2_ramp4": _GQA + ["model.num_query_groups=4", *_RAMP4],
+            "dmc2_ramp4": _DMC + ["method.target_cr=2", *_RAMP4_DMC],
         },
         "title": "Retrofitting base_tiny_long (0.98M tokens each, one LR schedule)",
     },
@@ -217,8 +223,9 @@ _LINES = {"dmc": "DMC (post, paper loss)", "dmc_pre": "DMC, rope_order=pre", "gq
 
 
 def _line(name: str) -> tuple[bool, str | None]:
-    """(ramp regime?, plot line) of run ``name``; line None for a single variant (e.g. ``dmc2_released``)."""
-    ramp = "_ramp2" in name
+    """(ramp regime?, plot line) of run ``name``; line None for a single variant (e.g. ``dmc2_released``,
+    ``dmc2_ramp4``)."""
+    ramp = "_ramp" in name
     kind = name.replace("_ramp2", "")
     line = {"dmc2": "dmc", "dmc4": "dmc", "dmc2_pre": "dmc_pre", "dmc4_pre": "dmc_pre", "gqa2": "gqa", "gqa4": "gqa",
             "pool2": "pool", "pool4": "pool"}.get(kind)
@@ -234,7 +241,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     panels = [(False, "240 steps x 16 sequences (x: variants)")]
     if any(_line(r["name"])[0] for r in rows[1:]):
-        panels.append((True, "1,920 steps x 2 sequences, one WSD schedule"))
+        panels.append((True, "one WSD schedule; lines: 1,920 steps x 2 sequences"))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False, sharey=True)
     for ax, (ramp, subtitle) in zip(axes[0], panels):
         ax.axhline(rows[0]["test_ppl"], color="gray", ls="--", lw=1, label="base model (no extra training)")
@@ -304,7 +311,7 @@ def cr_curves(preset: str, names: list[str], path: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = [n for n in names if not n.startswith(("gqa", "pool"))]
-    ramp = [n for n in runs if "_ramp2" in n]
+    ramp = [n for n in runs if "_ramp" in n]
     panels = [p for p in ([n for n in runs if n not in ramp], ramp) if p]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False, sharey=True)
     for ax, panel in zip(axes[0], panels):
