@@ -220,6 +220,7 @@ def _ppl(ev: dict) -> dict:
 
 _LINES = {"dmc": "DMC (post, paper loss)", "dmc_pre": "DMC, rope_order=pre", "gqa": "GQA",
           "pool": "Fixed Memory Pooling"}
+_COLORS = {"dmc": "C0", "dmc_pre": "C1", "gqa": "C2", "pool": "C3"}  # a variant takes its method's colour
 
 
 def _line(name: str) -> tuple[bool, str | None]:
@@ -249,11 +250,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         for key, label in _LINES.items():
             pts = sorted((r["cr"], r["test_ppl"]) for r in mine if _line(r["name"])[1] == key)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        for r in mine:
-            if _line(r["name"])[1] is None:  # single variants, labelled
-                ax.scatter([r["cr"]], [r["test_ppl"]], marker="x", zorder=3)
-                ax.annotate(r["name"], (r["cr"], r["test_ppl"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=_COLORS[key])
+        singles = sorted((r for r in mine if _line(r["name"])[1] is None), key=lambda r: (r["cr"], r["test_ppl"]))
+        for i, r in enumerate(singles):  # single variants, labelled; neighbours' labels alternate above/below
+            color = _COLORS[next(k for k in ("gqa", "pool", "dmc") if r["name"].startswith(k))]
+            ax.scatter([r["cr"]], [r["test_ppl"]], marker="x", zorder=3, color=color)
+            ax.annotate(r["name"], (r["cr"], r["test_ppl"]), fontsize=7, xytext=(4, 4 if i % 2 else -10),
+                        textcoords="offset points")
         ax.set_xlabel("KV-cache compression (DMC/pooling: achieved on test)")
         ax.set_title(subtitle, fontsize=9)
         ax.legend(fontsize=7)
