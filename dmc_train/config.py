@@ -164,9 +164,10 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
     if t.max_steps < 1 and not t.max_tokens:
         raise ConfigError("set train.max_steps >= 1 or train.max_tokens")
     o = cfg.optim
-    if o.schedule == "wsd" and not 1 <= o.anneal_steps <= (o.decay_steps or t.max_steps) - o.warmup_steps:
+    after_warmup = (o.decay_steps or t.max_steps) - o.warmup_steps
+    if o.schedule == "wsd" and not 1 <= o.anneal_steps <= after_warmup:
         raise ConfigError(f"optim.schedule=wsd needs 1 <= optim.anneal_steps <= the decay steps after warm-up "
-                          f"({(o.decay_steps or t.max_steps) - o.warmup_steps}); got optim.anneal_steps={o.anneal_steps}")
+                          f"({after_warmup}); got optim.anneal_steps={o.anneal_steps}")
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
     return layout
