@@ -54,8 +54,8 @@ class CRLossTracker:
     """
 
     def __init__(self, num_layers: int, num_heads: int, num_chunks: int = 1, group=None, form: str = "paper"):
-        self.num_layers, self.num_heads, self.num_chunks, self.group, self.form = (num_layers, num_heads, num_chunks,
-                                                                                   group, form)
+        self.num_layers, self.num_heads, self.num_chunks = num_layers, num_heads, num_chunks
+        self.group, self.form = group, form
         self.target_cr = 1.0
         self.stats = torch.zeros(num_layers, num_heads, 2, dtype=torch.float64)  # (appends, decisions)
         self._forwards = defaultdict(int)  # chunk -> forwards run so far (= its next micro-batch index)
@@ -128,8 +128,8 @@ class CRLossTracker:
         return self._partial[m]
 
     def _hinged(self, m: int) -> torch.Tensor:
-        """The per-sequence (``released``), per-head or per-(layer, head) sums [..., HARD / COUNT] the
-        hinge applies to."""
+        """``[..., 2]`` (hard decisions, decisions) of each group the hinge applies to: per sequence
+        (``released``), per head (``per_head``) or per (layer, head) (``per_layer_head``)."""
         if self.form == "released":
             return self._per_seq[m]
         sums = self._global_sums(m)
@@ -159,7 +159,8 @@ class CRLossTracker:
             n = sums[..., COUNT].sum()
             active = float(sums[..., KEEP].sum() > n / self.target_cr)
             return torch.full((1, heads, 1), -tokens * active / float(n), dtype=torch.float64)
-        # hinge forms: d mean_i max(0, 1 - 1/CR - hard_i / count_i) / d alpha = -1 / (groups * count_i) if active
+        # hinge forms, over groups i: d mean_i max(0, 1 - 1/CR - hard_i / count_i) / d alpha
+        # = -1 / (number of groups * count_i) where the hinge of i is active
         hinged = self._hinged(m)
         hard, count = hinged[..., 0], hinged[..., 1]
         coef = -tokens * (hard / count < 1 - 1 / self.target_cr).double() / (hard.numel() * count)
