@@ -46,16 +46,21 @@ _POOL = ["+recipe=dmc_tiny", "method=fixed_pooling"]
 _STEPS = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "method.zero_out_steps=80",
           "method.ramp_steps=640", "train.eval_interval=240", "checkpoint.save_interval=240"]
 
-# The ramp regime: the same tokens in 1,920 steps of 2 sequences under one schedule for every method,
-# constant LR then a cosine to 10 % over the last 480 steps (optim.schedule=wsd); DMC ramps over 1,120
-# steps after a 160-step zero-out and holds the target for the last 640.
-_RAMP2 = ["train.max_steps=1920", "train.global_batch_size=2", "train.micro_batch_size=2", "optim.schedule=wsd",
-          "optim.anneal_steps=480", "train.eval_interval=480", "checkpoint.save_interval=480"]
-_RAMP2_DMC = [*_RAMP2, "method.zero_out_steps=160", "method.ramp_steps=1120"]
-# The same schedule shape in 960 steps of 4 sequences (zero-out 80, ramp 560, 320 at the target).
-_RAMP4 = ["train.max_steps=960", "train.global_batch_size=4", "train.micro_batch_size=4", "optim.schedule=wsd",
-          "optim.anneal_steps=240", "train.eval_interval=240", "checkpoint.save_interval=240"]
-_RAMP4_DMC = [*_RAMP4, "method.zero_out_steps=80", "method.ramp_steps=560"]
+
+def _wsd(steps: int, seqs: int, dmc: bool = False) -> list[str]:
+    """The ramp regime: the study's tokens in ``steps`` steps of ``seqs`` sequences under one schedule for
+    every method, constant LR then a cosine to 10 % over the last quarter (``optim.schedule=wsd``);
+    DMC zeroes out over the first 1/12 of the steps, ramps until 2/3 and holds the target for the last third."""
+    q = steps // 4
+    args = [f"train.max_steps={steps}", f"train.global_batch_size={seqs}", f"train.micro_batch_size={seqs}",
+            "optim.schedule=wsd", f"optim.anneal_steps={q}", f"train.eval_interval={q}",
+            f"checkpoint.save_interval={q}"]
+    return args + ([f"method.zero_out_steps={steps // 12}", f"method.ramp_steps={steps * 7 // 12}"] if dmc else [])
+
+
+_RAMP2, _RAMP2_DMC = _wsd(1920, 2), _wsd(1920, 2, dmc=True)  # the ramp regime's main runs
+_RAMP4, _RAMP4_DMC = _wsd(960, 4), _wsd(960, 4, dmc=True)  # the same shape in 960 steps of 4 sequences
+
 
 PRESETS = {
     "tiny": {
