@@ -20,14 +20,23 @@ below, by :mod:`kernels.backend`: Triton for CUDA tensors, PyTorch elsewhere):
 - :func:`paged_attention`: decode attention. PyTorch: ``varlen.py`` (rows grouped by page count, one
   batched matmul per group: cost ~ the tokens held plus a page per row); Triton: ``triton_kernels.py``
   (split-K over pages, G query heads per program, log-sum-exp merge); flash-attn's ``flash_attn_with_kvcache``
-  (``flash.py``) when it is installed and fits (CUDA, fp16/bf16, page size divisible by 256).
+  (``flash.py``) when it is installed and fits (CUDA, fp16/bf16, page size divisible by 256) and no
+  scores are requested. With ``scores="probs"`` / ``"logits"`` it also returns, from the same attention
+  pass, each entry's attention score for an eviction policy (H2O, TOVA, Keyformer): ``s [R, L]`` fp32,
+  ``L = max(seq_lens)`` (0 when R = 0); ``s[r, i]`` for entry i (the i-th token of row r, in
+  block-table order) is the sum over the row's G query heads of the softmax weight ("probs": each row
+  sums to G) or of the logit ``q[r, g] . k_i * scale`` ("logits"); entries ``i >= seq_lens[r]`` are 0.
+- :func:`attention_column_sums`: the prefill counterpart, ``[b, H_kv, n]`` fp32: for causal attention
+  over a prompt, how much softmax weight each key gets, summed over all queries and the G query heads
+  of its KV head (optionally with temperature ``tau`` and additive noise, Keyformer's Gumbel scores).
+  PyTorch only: ``column_sums.py`` (blockwise over queries, at most ``block x n`` scores per head).
 - :func:`paged_write`: store entries at positions of rows (append; an eviction policy's in-place
   overwrite). PyTorch: ``writes.py``.
 - :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append) and the
   open slot's normalised state into its page entry. PyTorch: ``writes.py``.
 
-Reference (``reference.py``, re-exported here): :func:`reference_paged_attention` (loop over rows and
-tokens).
+References (``reference.py``, re-exported here): :func:`reference_paged_attention` (loop over rows and
+tokens), :func:`reference_attention_column_sums` (loop over queries and heads).
 
 This package depends on torch only (it sits below ``dmc_train``).
 """
@@ -41,13 +50,15 @@ import torch
 
 from kernels.backend import get_backend, use_triton
 
-from ._checks import check_paged_inputs
+from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores
+from .column_sums import attention_column_sums_torch
 from .flash import flash_fits, paged_attention_flash
-from .reference import reference_paged_attention
+from .reference import reference_attention_column_sums, reference_paged_attention
 from .varlen import paged_attention_torch
 from .writes import dmc_cache_update_torch, paged_write_torch
 
-__all__ = ["dmc_cache_update", "paged_attention", "paged_write", "reference_paged_attention"]
+__all__ = ["attention_column_sums", "dmc_cache_update", "paged_attention", "paged_write",
+           "reference_attention_column_sums", "reference_paged_attention"]
 
 
 def _impl(name: str, device: torch.device) -> Callable:
@@ -67,7 +78,8 @@ def paged_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
-) -> torch.Tensor:
+    scores: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per row over the row's paged KV cache.
 
     Args:
@@ -79,18 +91,65 @@ def paged_attention(
             pages are ignored; the used ones must be in ``[0, num_pages)``.
         seq_lens: ``[R]`` int32 / int64, cached tokens per row, in ``[1, max_pages * page_size]``.
         scale: score scale, default ``1 / sqrt(d)``.
+        scores: None, ``"probs"`` or ``"logits"``: also return each cached entry's score from the same
+            attention pass (for eviction policies such as H2O, TOVA, Keyformer).
 
     Returns:
         ``out [R, G, d_v]`` in q's dtype: ``softmax(q[r] K_r^T * scale) V_r`` over the row's
         ``seq_lens[r]`` cached tokens; computed in float32 (float64 stays float64). Inference only
         (gradients untested). Validation reads ``seq_lens`` and ``block_table`` on the host.
+
+        With ``scores``: ``(out, s)``, ``s [R, L]`` float32 with ``L = max(seq_lens)`` (0 if R = 0).
+        For entry ``i < seq_lens[r]`` (token i of row r, in block-table order): ``"probs"``:
+        ``s[r, i] = sum_g softmax(q[r, g] K_r^T * scale)[i]`` (each row sums to G); ``"logits"``:
+        ``s[r, i] = sum_g q[r, g] . k_i * scale``. Entries ``i >= seq_lens[r]`` are 0. flash-attn cannot
+        return scores, so then the Triton (CUDA) or PyTorch path runs.
+
+    Raises:
+        ValueError: on bad inputs, including a ``scores`` other than None / "probs" / "logits".
     """
+    check_scores(scores)
     check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if get_backend() == "auto" and flash_fits(q, k_pages):
+    if scores is None and get_backend() == "auto" and flash_fits(q, k_pages):
         return paged_attention_flash(q, k_pages, v_pages, block_table, seq_lens, float(scale))
-    return _impl("paged_attention", q.device)(q, k_pages, v_pages, block_table, seq_lens, float(scale))
+    impl = _impl("paged_attention", q.device)
+    if scores is None:
+        return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale))
+    return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores=scores)
+
+
+def attention_column_sums(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    tau: float = 1.0,
+    noise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    block: int = 128,
+) -> torch.Tensor:
+    """Column sums of causal prefill attention: the attention each prompt key receives (PyTorch only).
+
+    Args:
+        q: queries ``[b, H, n, d]`` (any float dtype; computed in float32).
+        k: keys ``[b, H_kv, n, d]``; ``H`` must be a multiple of ``H_kv``, ``G = H // H_kv``, and query head
+            h reads KV head ``h // G`` (GQA).
+        scale: logit scale (e.g. ``1 / sqrt(d)``).
+        tau: softmax temperature, > 0: the weights are ``softmax_j((q_i . k_j * scale + noise_ij) / tau)``.
+        noise: None, or a callable ``noise(q_positions [m] int64, k_positions [m_k] int64)`` returning a
+            tensor broadcastable to ``[b, H, m, m_k]``: the additive noise of a block of queries (e.g.
+            Keyformer's Gumbel noise). It is called once per block with the block's query positions
+            ``arange(i0, i1)`` and the positions of the keys that block can see, ``arange(i1)`` (causal:
+            so ``m_k = i1 <= n``, not always n); the noise of key positions past a query is unused.
+        block: queries per block; at most ``block x n`` scores per (b, H) exist at once (never ``n x n``).
+
+    Returns:
+        ``[b, H_kv, n]`` float32: entry ``[b, j, c]`` = the sum over queries ``i >= c`` and over the G
+        query heads of KV head j of the causal softmax weight of key c (query i sees keys ``<= i``).
+        Each KV head's columns sum to ``G * n``.
+    """
+    check_column_sum_inputs(q, k, tau, block)
+    return attention_column_sums_torch(q, k, float(scale), float(tau), noise, block)
 
 
 def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,

@@ -69,3 +69,32 @@ def check_paged_inputs(
             f"block_table entries of used pages must be page indices in [0, num_pages) = [0, {num_pages}); "
             f"block_table[{r}, {j}] = {int(block_table[r, j])}"
         )
+
+
+SCORES = (None, "probs", "logits")
+
+
+def check_scores(scores) -> None:
+    """``scores`` of :func:`kernels.paged.paged_attention`: None, "probs" or "logits"."""
+    if not (scores is None or (isinstance(scores, str) and scores in SCORES)):
+        raise ValueError(f"scores must be None, 'probs' or 'logits', got {scores!r}")
+
+
+def check_column_sum_inputs(q: torch.Tensor, k: torch.Tensor, tau: float, block: int) -> None:
+    """Shapes, dtypes and devices of :func:`kernels.paged.attention_column_sums`' inputs."""
+    check_tensor("q", q, "[b, H, n, d]", 4)
+    check_tensor("k", k, "[b, H_kv, n, d]", 4)
+    for name, t in (("q", q), ("k", k)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating point tensor, got {t.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k must be on q's device {q.device}, got {k.device}")
+    b, H, n, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, n, d):
+        raise ValueError(f"k {tuple(k.shape)} must agree with q {tuple(q.shape)} in b, n and d")
+    if k.shape[1] == 0 or H % k.shape[1]:
+        raise ValueError(f"q's {H} heads must be a multiple of k's H_kv = {k.shape[1]} heads")
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")

@@ -6,6 +6,10 @@ they run under ``TRITON_INTERPRET=1``, which is how they are tested here). Layou
   (padded to 16 for ``tl.dot``) and the pages ``[s * P, (s + 1) * P)`` of the row, runs an online
   softmax over them and writes a partial output and its log-sum-exp; the splits are merged with
   their log-sum-exps. Long rows are spread over many programs; short rows end after their pages.
+  With ``scores`` the same pass also stores each entry's logits: per head into an fp32 buffer
+  ``[R, G, L]`` ("probs": turned into softmax weights afterwards by one elementwise
+  ``exp(logit - lse)`` with the merged log-sum-exp of the head, then summed over G), or already summed
+  over the G heads into ``[R, L]`` ("logits"). K is read once.
 - ``paged_write_triton``: one program per entry written.
 - ``dmc_cache_update_triton``: one program per row: Algorithm 1's merge-or-append on the open slot's
   fp32 state, then the normalised state into its page entry.
@@ -19,10 +23,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, scale,
-                         s_qr, s_qg, s_kp, s_ks, s_vp, s_vs, s_btr, s_or, s_os, s_og, s_lr, s_ls,
+def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale,
+                         s_qr, s_qg, s_kp, s_ks, s_vp, s_vs, s_btr, s_or, s_os, s_og, s_lr, s_ls, s_sr, s_sg,
                          G, D, DV, PAGES_PER_SPLIT: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_S: tl.constexpr):
+    # STORE_S: 0 nothing; 1 the logits of every head into S [R, G, L]; 2 their sum over the G heads into S [R, L]
     r = tl.program_id(0)
     s = tl.program_id(1)
     n = tl.load(LENS + r).to(tl.int32)
@@ -43,6 +48,11 @@ def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, scale,
         k = tl.load(KP + page * s_kp + t[:, None] * s_ks + dd[None, :], mask=valid[:, None] & (dd[None, :] < D),
                     other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k)) * scale
+        if STORE_S == 1:
+            tl.store(S + r * s_sr + g[:, None] * s_sg + (p * PAGE + t)[None, :], scores,
+                     mask=(g[:, None] < G) & valid[None, :])
+        if STORE_S == 2:  # padded heads have q = 0, hence logits 0
+            tl.store(S + r * s_sr + p * PAGE + t, tl.sum(scores, 0), mask=valid)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         decay = tl.exp(m - m_new)
@@ -64,26 +74,41 @@ def _pow2(x: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(x))
 
 
-def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: float,
-                           pages_per_split: int = 16) -> torch.Tensor:
-    """:func:`kernels.paged.paged_attention` on validated inputs; ``out [R, G, d_v]`` in q's dtype."""
+def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: float, scores: str | None = None,
+                           pages_per_split: int = 16):
+    """:func:`kernels.paged.paged_attention` on validated inputs; ``out [R, G, d_v]`` in q's dtype, or
+    ``(out, s [R, L] fp32)`` when ``scores`` is ``"probs"`` / ``"logits"``."""
     R, G, d = q.shape
     page, dv = k_pages.shape[1], v_pages.shape[2]
     q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
     block_table = block_table.contiguous()
-    max_pages = -(-int(seq_lens.max()) // page) if R else 0
+    L = int(seq_lens.max()) if R else 0
+    max_pages = -(-L // page)
     splits = max(1, -(-max_pages // pages_per_split))
     out = torch.empty(R, splits, G, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(R, splits, G, dtype=torch.float32, device=q.device)
+    if scores == "probs":  # per-head logits; the entries past a row's length stay -inf (weight 0)
+        s = torch.full((R, G, L), float("-inf"), dtype=torch.float32, device=q.device)
+        s_sr, s_sg = s.stride(0), s.stride(1)
+    elif scores == "logits":  # summed over the heads; 0 past a row's length
+        s = torch.zeros(R, L, dtype=torch.float32, device=q.device)
+        s_sr, s_sg = s.stride(0), 0
+    else:
+        s, s_sr, s_sg = lse, 0, 0  # unused
     if R:
         _paged_decode_kernel[(R, splits)](
-            q, k_pages, v_pages, block_table, seq_lens, out, lse, scale,
+            q, k_pages, v_pages, block_table, seq_lens, out, lse, s, scale,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
             block_table.stride(0), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            G, d, dv, PAGES_PER_SPLIT=pages_per_split, PAGE=page, BLOCK_G=_pow2(G), BLOCK_D=_pow2(d),
-            BLOCK_DV=_pow2(dv))
+            s_sr, s_sg, G, d, dv, PAGES_PER_SPLIT=pages_per_split, PAGE=page, BLOCK_G=_pow2(G), BLOCK_D=_pow2(d),
+            BLOCK_DV=_pow2(dv), STORE_S={None: 0, "probs": 1, "logits": 2}[scores])
     weight = torch.softmax(lse, dim=1)  # merge the splits by their log-sum-exps (empty splits: -inf -> 0)
-    return (weight[..., None] * out).sum(1).to(q.dtype)
+    out = (weight[..., None] * out).sum(1).to(q.dtype)
+    if scores is None:
+        return out
+    if scores == "probs":
+        s = s.sub_(torch.logsumexp(lse, dim=1)[..., None]).exp_().sum(1)  # softmax weights, summed over G
+    return out, s
 
 
 @triton.jit

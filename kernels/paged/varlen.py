@@ -7,6 +7,9 @@ work is the tokens the rows hold plus the padding inside a group: it does not gr
 table's width (the model's maximum length) nor, across groups, with the longest row of the batch (a
 DMC head that kept 10 slots is not padded to the 100 of another group). Few groups keep the Python
 loop short: a decode step of a small model on CPU is bound by per-call overhead.
+
+With ``scores`` the group's ``[rows, G, width]`` logits (or softmax probabilities) of that same
+matmul are summed over G into the rows of ``s [R, L]`` (``L = max(seq_lens)``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ def paged_attention_torch(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """:func:`kernels.paged.paged_attention` on validated inputs (same layouts); ``out [R, G, d_v]`` in q's dtype.
+    scores: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.paged.paged_attention` on validated inputs (same layouts); ``out [R, G, d_v]`` in q's dtype,
+    or ``(out, s [R, L] fp32)`` when ``scores`` is ``"probs"`` / ``"logits"``.
 
     Written for inference: it runs under autograd (plain tensor ops) but its gradients are not tested.
     """
@@ -36,16 +41,22 @@ def paged_attention_torch(
     lens = seq_lens.long()
     used = (lens + page_size - 1) // page_size
     out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
+    L = int(lens.max()) if R else 0
+    s = torch.zeros(R, L, dtype=torch.float32, device=q.device) if scores is not None else None
     distinct = int(torch.unique(used).numel())
-    for rows in used.argsort().tensor_split(min(GROUPS, distinct)):
+    for rows in used.argsort().tensor_split(min(GROUPS, distinct)) if R else ():
         n_pages = int(used[rows].max())
         # [r, n_pages]; a shorter row's unused entries (-1 or stale) read any page, masked below
         pages = block_table[rows, :n_pages].long().clamp(min=0)
         width = n_pages * page_size
         k = k_pages[pages].reshape(len(rows), width, d).to(wd)
         v = v_pages[pages].reshape(len(rows), width, dv).to(wd)
-        scores = (q[rows].to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
+        logits = (q[rows].to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
         tail = torch.arange(width, device=q.device) >= lens[rows, None]  # past the row's last entry
-        scores = scores.masked_fill(tail[:, None, :], float("-inf"))
-        out[rows] = (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
-    return out
+        if scores == "logits":
+            s[rows, : min(width, L)] = logits.sum(1).masked_fill(tail, 0.0)[:, :L].float()
+        probs = torch.softmax(logits.masked_fill(tail[:, None, :], float("-inf")), dim=-1)
+        if scores == "probs":
+            s[rows, : min(width, L)] = probs.sum(1)[:, :L].float()  # the tail's probabilities are 0
+        out[rows] = (probs @ v).to(q.dtype)
+    return out if scores is None else (out, s)

@@ -101,3 +101,33 @@ def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern):
             backend.set_backend("auto")
     for a, b in zip(*states):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["probs", "logits"])
+@pytest.mark.parametrize("G, d, page_size", [(1, 32, 16), (4, 64, 16), (3, 16, 32)])
+def test_paged_decode_kernel_scores_match_the_reference(kind, G, d, page_size):
+    lens = [1, page_size, page_size + 1, 3 * page_size + 5]  # 1, a full page, a page + 1, multi-page
+    k, v, table, seq_lens = paged_rows(lens, page_size, d, 32, seed=G)  # pages in shuffled order
+    q = torch.randn(len(lens), G, d, generator=torch.Generator().manual_seed(G))
+    want_out, want_s = reference_paged_attention(q, k, v, table, seq_lens, scores=kind)
+    for split in (1, 2):  # one split; several splits merged by log-sum-exps (and the row lse behind "probs")
+        out, s = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, pages_per_split=split)
+        assert s.shape == (len(lens), max(lens)) and s.dtype == torch.float32
+        torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        plain = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, pages_per_split=split)
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)  # out unchanged by the scores
+    assert (s[torch.arange(max(lens)) >= seq_lens[:, None].long()] == 0).all()
+
+
+def test_paged_decode_kernel_scores_bf16_and_dispatch(triton_backend):
+    k, v, table, seq_lens = paged_rows([7, 40], 16, 32, 32, seed=3)
+    q = torch.randn(2, 4, 32)
+    for kind in ("probs", "logits"):
+        out, s = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), table, seq_lens, scores=kind)
+        _, want = reference_paged_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), table,
+                                            seq_lens, scores=kind)
+        assert out.dtype == torch.bfloat16 and s.dtype == torch.float32
+        torch.testing.assert_close(s, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="^scores must be None, 'probs' or 'logits', got 'prob'$"):
+        paged_attention(q, k, v, table, seq_lens, scores="prob")
