@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
-from dmc_train.inference.caches import CACHES, DMCCache, KVCache
+from dmc_train.inference.caches import KVCache, build_cache, check_cache
 from dmc_train.inference.model import LlamaForInference
 from dmc_train.inference.pool import PagePool, check_page_size
 from dmc_train.inference.sampling import SamplingParams, StopChecker, make_generator, sample
@@ -89,20 +89,22 @@ class Engine:
     Args:
         model: the :class:`LlamaForInference` to run.
         tokenizer: encodes string prompts and decodes outputs (None: prompts are token-id lists).
-        cache: ``"auto"`` (``dmc`` for DMC / fixed-pooling models, else ``full``) or a name in ``CACHES``.
+        cache: ``"auto"`` (the model's own: ``dmc`` for DMC / fixed-pooling models, else ``full``) or a name in
+            ``CACHES`` (``full``, ``dmc``, or an eviction policy: ``h2o``, ``tova``, ``streaming_llm``,
+            ``keyformer``, ``lsh_e``, ``knorm``).
         page_size: entries per page (power of two >= 16).
         kv_bytes: the K/V page budget in bytes (default: room for ``max_batch`` sequences of the
             model's maximum length uncompressed).
         max_batch: most requests running at once (rows of the block table).
+        cache_options: the cache's options, e.g. ``budget=128`` (or ``0.25`` of the context),
+            ``schedule="decode"``, ``recent_fraction=0.5`` (``docs/INFERENCE.md``).
     """
 
     def __init__(self, model: LlamaForInference, tokenizer: Any = None, cache: str = "auto", page_size: int = 16,
-                 kv_bytes: Optional[int] = None, max_batch: int = 16):
+                 kv_bytes: Optional[int] = None, max_batch: int = 16, **cache_options: Any):
         s = model.shape
-        name = ("dmc" if model.dmc is not None else "full") if cache == "auto" else cache
-        if name not in CACHES:
-            raise InferenceError(f"unknown cache {cache!r}; expected auto or one of {', '.join(CACHES)}")
-        model.check_cache_type(CACHES[name])
+        name = model.default_cache if cache == "auto" else cache
+        check_cache(name, model)
         if max_batch < 1:
             raise InferenceError(f"max_batch={max_batch} must be >= 1")
         rows_per_seq = s.num_layers * s.num_kv_heads
@@ -122,7 +124,7 @@ class Engine:
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else s.vocab_size
         self.pool = PagePool(num_pages, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
                              dtype=model.dtype)
-        self.cache_name, self.max_batch = name, max_batch
+        self.cache_name, self.cache_options, self.max_batch = name, cache_options, max_batch
         self.cache = self.new_cache()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
@@ -133,9 +135,7 @@ class Engine:
 
     def new_cache(self) -> KVCache:
         """A cache of the engine's kind on the engine's pool (the engine's own is ``self.cache``)."""
-        s, kind = self.model.shape, CACHES[self.cache_name]
-        kw = {"settings": self.model.dmc} if kind is DMCCache else {}
-        return kind(self.pool, s.num_layers, s.num_kv_heads, self.model.scale, **kw)
+        return build_cache(self.cache_name, self.pool, self.model, self.cache_options)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
@@ -190,7 +190,7 @@ class Engine:
             if len(self.pool.free_pages) <= self._blocked_free:
                 break  # nothing was freed since the head of the queue last failed to fit
             req = self.waiting[0]
-            self.cache.add(req.id)
+            self.cache.add(req.id, req.params.max_new_tokens)
             try:
                 start = time.perf_counter()
                 logits = self.model.prefill(self.cache, req.id, torch.tensor(req.prompt))

@@ -33,6 +33,8 @@ from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.methods.configs import DMCSettings
 from dmc_train.models.norm import rms_norm
+from dmc_train.policies import Scorer
+from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.dmc import decisions, rotate_half_rope
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,6 +106,11 @@ class LlamaForInference:
         if dmc is not None and dmc.channel is not None:
             self.keep = torch.ones(s.head_dim, dtype=dtype)
             self.keep[dmc.channel] = 0
+
+    @property
+    def default_cache(self) -> str:
+        """The cache this model needs unless told otherwise: ``dmc`` for DMC decisions, else ``full``."""
+        return "full" if self.dmc is None else "dmc"
 
     # -- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -185,6 +192,27 @@ class LlamaForInference:
             if self.dmc is None:
                 return causal_attention(q, k, v, self.scale)
             return teacher_forced_dmc(q, k, v, info, self.dmc, self.scale)[0]
+
+        return self._run(tokens, positions, attend)
+
+    @torch.no_grad()
+    def forward_with_policy(self, tokens: torch.Tensor, scorer: Scorer, budget: int, prompt_len: int = 1,
+                            horizon: Optional[int] = None, runs: Optional[list[PolicyRun]] = None) -> torch.Tensor:
+        """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` under an eviction policy: what the engine
+        computes when the first ``prompt_len`` tokens are the prompt and the rest are decoded one by one
+        with ``budget`` entries per (sequence, layer, KV head) (the policy's parallel form,
+        :func:`~dmc_train.policies.parallel.run_policy`). ``runs``: a list that receives each layer's
+        :class:`PolicyRun` (what every query saw and when each entry was evicted)."""
+        self.check_tokens(tokens)
+        if self.dmc is not None:
+            raise InferenceError(f"the {scorer.name!r} policy runs on vanilla and GQA models, not on DMC ones")
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+
+        def attend(layer, q, k, v, info):
+            run = run_policy(scorer, q, k, v, budget, layer, prompt_len, horizon)
+            if runs is not None:
+                runs.append(run)
+            return run.out
 
         return self._run(tokens, positions, attend)
 

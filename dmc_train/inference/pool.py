@@ -137,7 +137,9 @@ class PagePool:
         page, offset = self.locate(torch.full((n,), row), torch.arange(n))
         return self.k_pages[page, offset], self.v_pages[page, offset]
 
-    def attend(self, rows: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, rows: torch.Tensor, q: torch.Tensor, scale: float, scores: str | None = None):
         """Decode attention of ``q [n, G, d]`` (one token, G query heads per row) over ``rows [n]``
-        -> ``[n, G, d_v]`` (cost grows with the entries the rows hold, not with a padded maximum)."""
-        return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale)
+        -> ``[n, G, d_v]`` (cost grows with the entries the rows hold, not with a padded maximum); with
+        ``scores`` (``"probs"`` | ``"logits"``) also the per-entry scores ``[n, L]`` summed over G."""
+        return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale,
+                               scores=scores)

@@ -1,0 +1,40 @@
+"""Eviction and selection policies: one scorer per file, one registry (docs/METHODS.md, "Eviction and
+selection policies"; how to add one: docs/DESIGN.md, "Adding a cache policy").
+
+    h2o            recent window + heavy hitters by accumulated attention (h2o.py)
+    tova           the entry the current query attends to least goes (tova.py)
+    streaming_llm  attention sinks + the most recent tokens (streaming_llm.py)
+    keyformer      recent window + key tokens by accumulated Gumbel-softmax scores (keyformer.py)
+    lsh_e          the key farthest in SimHash Hamming distance from the current query goes (lsh_e.py)
+    knorm          the key with the largest L2 norm goes (knorm.py)
+
+A scorer runs in two forms that keep the same entries: the engine's fixed-budget cache
+(``dmc_train/inference/caches/evicting.py``) and the parallel form for whole sequences
+(:func:`dmc_train.policies.parallel.run_policy`: teacher-forced evaluation, LESS training).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmc_train.errors import ConfigError
+from dmc_train.policies.base import Entries, PolicyConfig, Scorer, Step, make_config
+from dmc_train.policies.h2o import H2O
+from dmc_train.policies.keyformer import Keyformer
+from dmc_train.policies.knorm import Knorm
+from dmc_train.policies.lsh_e import LSHE
+from dmc_train.policies.streaming_llm import StreamingLLM
+from dmc_train.policies.tova import TOVA
+
+POLICIES: dict[str, type[Scorer]] = {s.name: s for s in (H2O, TOVA, StreamingLLM, Keyformer, LSHE, Knorm)}
+
+
+def build_scorer(name: str, options: dict[str, Any], head_dim: int, group: int, scale: float) -> Scorer:
+    """The scorer ``name`` with its options (one-line :class:`ConfigError` for a bad name or option)."""
+    if name not in POLICIES:
+        raise ConfigError(f"unknown policy {name!r}; the policies are {', '.join(POLICIES)}")
+    kind = POLICIES[name]
+    return kind(make_config(kind.Config, options, name), head_dim, group, scale)
+
+
+__all__ = ["POLICIES", "Entries", "PolicyConfig", "Scorer", "Step", "build_scorer"]

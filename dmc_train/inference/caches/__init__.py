@@ -1,17 +1,89 @@
-"""KV caches of the inference engine, one interface (:class:`KVCache`, ``base.py``), one file each.
+"""KV caches of the inference engine, one interface (:class:`KVCache`, ``base.py``), one file each, and
+the one registry that picks them by name (:data:`CACHES`, :func:`build_cache`).
 
-    full   every token (vanilla; also GQA models, whose rows are their fewer KV heads)
-    dmc    Dynamic Memory Compression, Algorithm 1 (DMC and Fixed Memory Pooling checkpoints)
+    full       every token (vanilla; also GQA models, whose rows are their fewer KV heads)
+    dmc        Dynamic Memory Compression, Algorithm 1 (DMC and Fixed Memory Pooling checkpoints)
+    <policy>   a fixed budget kept by an eviction policy of ``dmc_train/policies`` (h2o, tova,
+               streaming_llm, keyformer, lsh_e, knorm): one evicting cache (``evicting.py``) for all
 
-The eviction policies and LESS register theirs in :data:`CACHES` the same way.
+A model declares the cache it needs (``LlamaForInference.default_cache``: ``dmc`` for DMC
+checkpoints, else ``full``); ``cache="auto"`` takes it. An entry's ``build(pool, model, options)``
+makes the cache from the model (shape, scale, DMC settings) and the user's options.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dmc_train.errors import InferenceError
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.caches.dmc import DMCCache, teacher_forced_dmc
+from dmc_train.inference.caches.evicting import EvictingCache
 from dmc_train.inference.caches.full import FullCache, causal_attention
+from dmc_train.policies import POLICIES, build_scorer
 
-CACHES: dict[str, type[KVCache]] = {"full": FullCache, "dmc": DMCCache}
 
-__all__ = ["CACHES", "DMCCache", "FullCache", "KVCache", "TokenInfo", "causal_attention", "teacher_forced_dmc"]
+@dataclass(frozen=True)
+class CacheEntry:
+    """``build(pool, model, options) -> KVCache``; ``dmc``: True = DMC checkpoints only, False = not on them."""
+
+    build: Callable[..., KVCache]
+    dmc: bool
+
+
+def _no_options(name: str, options: dict) -> None:
+    if options:
+        raise InferenceError(f"the {name} cache takes no options (got {', '.join(sorted(options))})")
+
+
+def _full(pool, model, options):
+    _no_options("full", options)
+    s = model.shape
+    return FullCache(pool, s.num_layers, s.num_kv_heads, model.scale)
+
+
+def _dmc(pool, model, options):
+    _no_options("dmc", options)
+    s = model.shape
+    return DMCCache(pool, s.num_layers, s.num_kv_heads, model.scale, settings=model.dmc)
+
+
+def _policy(name: str) -> Callable[..., KVCache]:
+    def build(pool, model, options):
+        s = model.shape
+        scorer = build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
+        return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer,
+                             scorer.cfg.budget_entries(s.max_positions))
+    return build
+
+
+CACHES: dict[str, CacheEntry] = {"full": CacheEntry(_full, False), "dmc": CacheEntry(_dmc, True),
+                                 **{name: CacheEntry(_policy(name), False) for name in POLICIES}}
+
+
+def check_cache(name: str, model: Any) -> None:
+    """One-line :class:`InferenceError` when ``name`` is unknown or does not fit ``model``."""
+    if name not in CACHES:
+        raise InferenceError(f"unknown cache {name!r}; expected auto or one of {', '.join(CACHES)}")
+    if CACHES[name].dmc and model.dmc is None:
+        raise InferenceError(f"the {name!r} cache needs a DMC model, and this checkpoint has no DMC decisions (its "
+                             f"method is not dmc or fixed_pooling); use cache='full' or an eviction policy")
+    if name in POLICIES and model.dmc is not None:
+        raise InferenceError(f"the {name!r} policy runs on vanilla and GQA checkpoints; this one is a DMC model, "
+                             f"which compresses with its own cache: use cache='dmc' (or auto)")
+
+
+def build_cache(name: str, pool, model: Any, options: dict[str, Any]) -> KVCache:
+    """The cache ``name`` for ``model`` on ``pool`` with ``options`` (one-line errors for bad ones)."""
+    from dmc_train.errors import ConfigError
+
+    check_cache(name, model)
+    try:
+        return CACHES[name].build(pool, model, dict(options))
+    except ConfigError as e:
+        raise InferenceError(str(e)) from None
+
+
+__all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "TokenInfo", "build_cache",
+           "causal_attention", "check_cache", "teacher_forced_dmc"]

@@ -16,10 +16,9 @@ Storage: each (sequence, layer, KV head) is one row of the shared :class:`~dmc_t
 (``self.rows[seq_id]`` is ``[layers, H_kv]``); a cache may also keep a constant-size state per row
 (DMC's open slot, a policy's scores, LESS's ``H, z``) and reports it in :meth:`state_bytes`.
 
-Subclasses for the later issues:
-- fixed-budget eviction policies grow each row to the budget once, then overwrite the evicted entry
-  in place (``pool.write`` at the victim's position) and keep per-row scores in their own state;
-- LESS adds a constant-size per-row state fed with the evicted (k, v) pairs.
+Subclasses: ``full.py`` (every token), ``dmc.py`` (Algorithm 1), ``evicting.py`` (every eviction
+policy of ``dmc_train/policies``: a fixed budget, the victim overwritten in place); LESS will add a
+constant-size per-row state fed with the evicted (k, v) pairs.
 """
 
 from __future__ import annotations
@@ -61,8 +60,9 @@ class KVCache:
         self._batch_key, self._batch_rows = None, None
 
     # -- sequences --------------------------------------------------------------------------------
-    def add(self, seq_id: int) -> None:
-        """Give a new sequence its rows (empty until prefill)."""
+    def add(self, seq_id: int, max_new_tokens: int = 0) -> None:
+        """Give a new sequence its rows (empty until prefill); ``max_new_tokens``: how many tokens it will
+        generate at most (0: unknown), for caches whose schedule depends on it."""
         if seq_id in self.rows:
             raise InferenceError(f"sequence {seq_id} is already in the cache")
         self._batch_key = None

@@ -1,0 +1,192 @@
+"""What every eviction / selection policy shares: its options, the per-entry state, and the keep rule.
+
+A policy is a **scorer** (one file per policy, one idea each): it says how each kept entry is scored
+and how the scores change when a query attends. Everything else is shared and lives here or in the
+one evicting cache of the engine (``dmc_train/inference/caches/evicting.py``):
+
+- the **budget** ``B``: entries kept per (sequence, layer, KV head) = the entries a query attends
+  over, its own included (H2O's and LESS's convention: query t sees B entries);
+- the **fixed part**: ``n_sink`` first tokens and a window of the ``n_recent`` newest tokens (the
+  incoming one included) that are never evicted (:meth:`Scorer.fixed`);
+- the **keep rule**: when a row is full, the entry with the lowest *priority* outside the fixed
+  part is the victim (:func:`victims`); after a prompt, the ``keep`` entries with the highest
+  priority, the fixed part first, stay (:func:`select`).
+
+Two schedules: ``decode`` (the papers'): the prompt is prefilled with full causal attention,
+compressed once to ``B`` with the scores the prompt produced, and every decode step t then evicts
+one entry before token t is written (``B`` held at every step); ``prefill`` (kvpress's): the prompt
+is compressed to ``max(1, int(P * (1 - compression_ratio)))`` entries and decoded tokens are appended.
+
+State of ``N`` rows with ``L`` entry slots each (:class:`Entries`): ``positions [N, L]`` int64 (token
+position of the entry, -1 = empty slot), ``scores [N, L]`` fp32, and for hashing policies ``codes
+[N, L, nbytes]`` uint8. The engine's slots are page entries; the parallel form uses slot = position.
+Rows are ordered ``[sequence, KV head]`` (``N = b * H_kv``), which layer-wide aggregation relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from dmc_train.errors import ConfigError
+
+SCHEDULES = ("decode", "prefill")
+AGGREGATES = ("kv_head", "layer")
+
+
+@dataclass
+class PolicyConfig:
+    """Options every policy has. ``budget``: entries per (sequence, layer, KV head), an integer >= 1 or a
+    fraction in (0, 1) of the model's context; ``schedule``: ``decode`` | ``prefill``;
+    ``compression_ratio``: the fraction of the prompt the ``prefill`` schedule removes (kvpress's);
+    ``aggregate``: priorities per KV head, or averaged over the KV heads of a layer (every KV head then
+    keeps the same positions); ``seed``: random projections and noise."""
+
+    budget: float = 0.25
+    schedule: str = "decode"
+    compression_ratio: float = 0.5
+    aggregate: str = "kv_head"
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.aggregate not in AGGREGATES:
+            raise ConfigError(f"aggregate={self.aggregate!r} is not one of {', '.join(AGGREGATES)}")
+        if not (self.budget >= 1 and float(self.budget).is_integer()) and not 0 < self.budget < 1:
+            raise ConfigError(f"budget={self.budget} must be a whole number of entries >= 1 or a fraction of the "
+                              f"context in (0, 1)")
+        if not 0 <= self.compression_ratio < 1:
+            raise ConfigError(f"compression_ratio={self.compression_ratio} must be in [0, 1) (the fraction of the "
+                              f"prompt removed)")
+
+    def budget_entries(self, context: int) -> int:
+        """The budget in entries for a model of ``context`` positions."""
+        return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context))
+
+
+def make_config(config_type: type, options: dict[str, Any], policy: str) -> PolicyConfig:
+    """``config_type(**options)`` checked, with a one-line error naming an unknown option."""
+    known = [f.name for f in fields(config_type)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"{policy} has no option {unknown[0]!r}; its options are {', '.join(known)}")
+    cfg = config_type(**options)
+    cfg.check()
+    return cfg
+
+
+@dataclass
+class Entries:
+    """Per-entry state of ``N`` rows (module docstring): ``positions [N, L]`` (-1 empty), ``scores [N, L]``,
+    ``codes [N, L, nbytes]`` or None."""
+
+    positions: torch.Tensor
+    scores: torch.Tensor
+    codes: Optional[torch.Tensor] = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.positions >= 0
+
+
+@dataclass
+class Step:
+    """Where the rows are. ``layer``; ``heads [N]``: each row's KV head; ``t [N]``: position of the current
+    (incoming) token; ``decoded [N]``: decode steps since the prompt (0 for its first generated token);
+    ``horizon [N]``: tokens the sequence will generate (0 = unknown); ``num_kv_heads``."""
+
+    layer: int
+    heads: torch.Tensor
+    t: torch.Tensor
+    decoded: torch.Tensor
+    horizon: torch.Tensor
+    num_kv_heads: int
+
+
+class Scorer:
+    """One policy's scoring idea. Subclasses set ``name``, ``Config`` and override what they use.
+
+    ``attention``: what the decode attention must return per kept entry for :meth:`update` (None,
+    ``"probs"``: probabilities summed over the G query heads of the row, ``"logits"``: pre-softmax
+    logits summed over them). ``code_bits``: bits of a per-entry hash code (0: none).
+    """
+
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type] = PolicyConfig
+    attention: ClassVar[Optional[str]] = None
+    code_bits: int = 0
+
+    def __init__(self, cfg: PolicyConfig, head_dim: int, group: int, scale: float):
+        self.cfg, self.head_dim, self.group, self.scale = cfg, head_dim, group, scale
+
+    def fixed(self, budget: int) -> tuple[int, int]:
+        """``(n_sink, n_recent)`` never evicted at this budget (default: none)."""
+        return 0, 0
+
+    def check_budget(self, budget: int) -> None:
+        sink, recent = self.fixed(budget)
+        if budget < max(1, sink + recent):
+            raise ConfigError(f"budget {budget} is smaller than {self.name}'s fixed part ({sink} sink + {recent} "
+                              f"recent entries); raise the budget")
+
+    # -- scores -----------------------------------------------------------------------------------
+    def prompt_scores(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> torch.Tensor:
+        """Scores of a prompt's keys after its prefill: ``q [b, H, P, d]``, ``k [b, H_kv, P, d]`` (RoPE
+        applied) -> ``[b, H_kv, P]`` fp32. Default: zeros."""
+        return k.new_zeros(k.shape[:3], dtype=torch.float32)
+
+    def new_scores(self, k: torch.Tensor) -> torch.Tensor:
+        """Score of freshly written entries ``k [N, d]`` -> ``[N]`` (before the query attends)."""
+        return torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
+
+    def codes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Hash codes of ``x [..., d]`` -> ``[..., nbytes]`` uint8 (policies with ``code_bits``)."""
+        return None
+
+    def priority(self, entries: Entries, q: torch.Tensor, step: Step) -> torch.Tensor:
+        """Keep priority ``[N, L]`` of the kept entries when token ``step.t`` (query ``q [N, G, d]``) comes
+        in; the lowest outside the fixed part is evicted. Default: the scores."""
+        return entries.scores
+
+    def update(self, entries: Entries, attention: Optional[torch.Tensor], step: Step) -> None:
+        """After the current query attended: ``attention [N, L]`` as declared by ``attention`` (0 on empty
+        slots). Updates ``entries.scores`` in place. Default: nothing."""
+
+
+# -- the keep rule ------------------------------------------------------------------------------------
+def protected(positions: torch.Tensor, newest: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Entries in the fixed part: ``positions [N, L]``, ``newest [N]`` = the newest token of the window
+    (the incoming one at an eviction, the prompt's last at a compression)."""
+    return (positions >= 0) & ((positions < sink) | (positions > newest[:, None] - recent))
+
+
+def aggregate(priority: torch.Tensor, how: str, num_kv_heads: int) -> torch.Tensor:
+    """``layer``: the mean over the KV heads of each (sequence, layer) (rows ordered [sequence, KV head])."""
+    if how == "kv_head" or num_kv_heads == 1:
+        return priority
+    n, length = priority.shape
+    return priority.view(n // num_kv_heads, num_kv_heads, length).mean(1, keepdim=True).expand(
+        -1, num_kv_heads, -1).reshape(n, length)
+
+
+def victims(priority: torch.Tensor, entries: Entries, newest: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Slot ``[N]`` of each row's victim: the lowest priority among valid entries outside the fixed part;
+    ties go to the oldest position, so the result does not depend on the order of the slots."""
+    keep = protected(entries.positions, newest, sink, recent) | ~entries.valid
+    ranked = priority.masked_fill(keep, float("inf"))
+    lowest = ranked == ranked.amin(-1, keepdim=True)
+    return entries.positions.masked_fill(~lowest, torch.iinfo(entries.positions.dtype).max).argmin(-1)
+
+
+def select(priority: torch.Tensor, positions: torch.Tensor, keep: int, newest: torch.Tensor, sink: int,
+           recent: int) -> torch.Tensor:
+    """Slots ``[N, keep]`` (ascending) of the ``keep`` entries that stay: the fixed part, then the highest
+    priority, ties to the newest position (``keep`` <= valid entries of every row)."""
+    fixed = protected(positions, newest, sink, recent)
+    ranked = priority.masked_fill(fixed, float("inf")).masked_fill(positions < 0, float("-inf"))
+    by_position = positions.argsort(dim=-1, descending=True, stable=True)
+    order = ranked.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True)
+    return by_position.gather(-1, order[:, :keep]).sort(-1).values

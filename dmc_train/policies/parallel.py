@@ -1,0 +1,107 @@
+"""The parallel form of a policy: what every query of a whole sequence sees when the sequence is decoded
+token by token under the budget (teacher-forced evaluation, LESS training, and the tests' reference
+for the engine's incremental cache).
+
+Loops over positions, vectorised over sequences and KV heads: the first ``prompt_len`` queries attend
+causally over the whole prompt (the prefill), the prompt is compressed once, and every later query t
+first evicts (``decode`` schedule) and then attends over the kept entries and itself. The keep rule
+and the scores are the scorer's and :mod:`dmc_train.policies.base`'s, exactly as in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dmc_train.policies.base import Entries, Scorer, Step, aggregate, select, victims
+
+
+@dataclass
+class PolicyRun:
+    """``out [b, H, n, d_v]``; ``evicted_at [b, H_kv, n]`` int64: the step (query position) from which
+    entry j is no longer seen (-1: kept to the end). A prompt entry dropped by the compression has
+    ``evicted_at = prompt_len``."""
+
+    out: torch.Tensor
+    evicted_at: torch.Tensor
+
+    def visible(self) -> torch.Tensor:
+        """``[b, H_kv, n, n]`` bool: query t sees entry j."""
+        n = self.evicted_at.shape[-1]
+        t = torch.arange(n)[:, None]
+        causal = torch.arange(n)[None, :] <= t
+        ev = self.evicted_at[:, :, None, :]
+        return causal & ((ev < 0) | (ev > t))
+
+
+def prompt_keep(scorer: Scorer, budget: int, prompt_len: int) -> tuple[int, tuple[int, int]]:
+    """Entries a prompt of ``prompt_len`` tokens is compressed to, and the fixed part used for it."""
+    c = scorer.cfg
+    keep = budget if c.schedule == "decode" else max(1, int(prompt_len * (1 - c.compression_ratio)))
+    return min(keep, prompt_len), scorer.fixed(keep)
+
+
+def compress_prompt(scorer: Scorer, prompt_scores: torch.Tensor, keep: int, fixed: tuple[int, int],
+                    num_kv_heads: int) -> torch.Tensor:
+    """Slots ``[N, keep]`` of the prompt entries that stay, from ``prompt_scores [N, P]`` (positions = slots)."""
+    n_rows, p = prompt_scores.shape
+    positions = torch.arange(p).expand(n_rows, p)
+    if keep >= p:
+        return positions
+    priority = aggregate(prompt_scores, scorer.cfg.aggregate, num_kv_heads)
+    return select(priority, positions, keep, torch.full((n_rows,), p - 1), *fixed)
+
+
+@torch.no_grad()
+def run_policy(scorer: Scorer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, budget: int, layer: int,
+               prompt_len: int = 1, horizon: Optional[int] = None) -> PolicyRun:
+    """Attention of ``q [b, H, n, d]`` over ``k [b, H_kv, n, d]``, ``v [b, H_kv, n, d_v]`` (RoPE applied)
+    under the policy at ``budget`` entries per (sequence, KV head); ``horizon``: generation length for
+    Keyformer's temperature (default ``n - prompt_len``)."""
+    b, h, n, _ = q.shape
+    hk = k.shape[1]
+    g, rows = h // hk, b * hk
+    p = max(1, min(prompt_len, n))
+    out = torch.empty(b, h, n, v.shape[-1], dtype=q.dtype)
+    out[:, :, :p] = F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True,
+                                                   scale=scorer.scale, enable_gqa=g > 1)
+    evicted_at = torch.full((rows, n), -1, dtype=torch.long)
+    entries = Entries(torch.full((rows, n), -1, dtype=torch.long), torch.zeros(rows, n),
+                      None if not scorer.code_bits else scorer.codes(k).reshape(rows, n, -1))
+    entries.scores[:, :p] = scorer.prompt_scores(q[:, :, :p], k[:, :, :p], layer).reshape(rows, p)
+    keep, fixed = prompt_keep(scorer, budget, p)
+    kept = compress_prompt(scorer, entries.scores[:, :p], keep, fixed, hk)
+    entries.positions.scatter_(1, kept, kept)
+    evicted_at[:, :p] = torch.where(entries.positions[:, :p] < 0, p, -1)
+    evicting = scorer.cfg.schedule == "decode"  # prefill: decoded tokens are appended, nothing more is evicted
+    sink_recent = scorer.fixed(budget)
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    heads = torch.arange(hk).repeat(b)
+    horizon_t = torch.full((rows,), n - p if horizon is None else horizon)
+    for t in range(p, n):
+        step = Step(layer, heads, torch.full((rows,), t), torch.full((rows,), t - p), horizon_t, hk)
+        q_t = qf[:, :, t].reshape(rows, g, -1)  # [N, G, d]
+        if evicting:
+            full = entries.valid.sum(-1) >= budget
+            if bool(full.any()):
+                priority = aggregate(scorer.priority(entries, q_t, step), scorer.cfg.aggregate, hk)
+                slot = victims(priority, entries, step.t, *sink_recent)
+                r = full.nonzero()[:, 0]
+                evicted_at[r, slot[r]] = t
+                entries.positions[r, slot[r]] = -1
+        k_t = kf[:, :, t].reshape(rows, -1)
+        entries.positions[:, t] = t
+        entries.scores[:, t] = scorer.new_scores(k_t)
+        valid = entries.valid  # [N, n]
+        logits = (q_t @ kf.reshape(rows, n, -1).transpose(1, 2)) * scorer.scale  # [N, G, n]
+        probs = torch.softmax(logits.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+        out[:, :, t] = (probs @ vf.reshape(rows, n, -1)).reshape(b, h, -1).to(out.dtype)
+        if scorer.attention is not None:
+            summed = probs.sum(1) if scorer.attention == "probs" else logits.sum(1)
+            scorer.update(entries, summed.masked_fill(~valid, 0.0), step)
+        else:
+            scorer.update(entries, None, step)
+    return PolicyRun(out, evicted_at.view(b, hk, n))

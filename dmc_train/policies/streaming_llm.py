@@ -1,0 +1,35 @@
+"""StreamingLLM (Xiao et al., 2023), LESS's Lambda-masking: the ``n_sink`` first tokens (the attention
+sinks) and the most recent ones. The priority is the position alone; no attention is needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dmc_train.errors import ConfigError
+from dmc_train.policies.base import PolicyConfig, Scorer
+
+
+@dataclass
+class StreamingLLMConfig(PolicyConfig):
+    n_sink: int = 4
+
+    def check(self) -> None:
+        super().check()
+        if self.n_sink < 0:
+            raise ConfigError(f"n_sink={self.n_sink} must be >= 0")
+
+
+class StreamingLLM(Scorer):
+    name = "streaming_llm"
+    Config = StreamingLLMConfig
+
+    def fixed(self, budget):
+        return self.cfg.n_sink, max(budget - self.cfg.n_sink, 0)
+
+    def check_budget(self, budget):
+        if budget <= self.cfg.n_sink:
+            raise ConfigError(f"budget {budget} must be larger than streaming_llm's {self.cfg.n_sink} sink entries; "
+                              f"raise the budget or lower n_sink")
+
+    def priority(self, entries, q, step):
+        return entries.positions.float()
