@@ -190,3 +190,22 @@ def select(priority: torch.Tensor, positions: torch.Tensor, keep: int, newest: t
     by_position = positions.argsort(dim=-1, descending=True, stable=True)
     order = ranked.gather(-1, by_position).argsort(dim=-1, descending=True, stable=True)
     return by_position.gather(-1, order[:, :keep]).sort(-1).values
+
+
+def choose_victims(scorer: Scorer, entries: Entries, q: torch.Tensor, step: Step, budget: int):
+    """The decode schedule's eviction before token ``step.t`` is written: ``(full [N] bool, victim [N])``,
+    the rows at their budget and the slot each would give up (``q [N, G, d]`` the current queries)."""
+    full = entries.valid.sum(-1) >= budget
+    if not bool(full.any()):
+        return full, torch.zeros_like(step.t)
+    priority = aggregate(scorer.priority(entries, q, step), scorer.cfg.aggregate, step.num_kv_heads)
+    return full, victims(priority, entries, step.t, *scorer.fixed(budget))
+
+
+def insert(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> None:
+    """Record token ``t [N]`` with keys ``k [N, d]`` in slot ``slot [N]`` of every row."""
+    every = torch.arange(len(slot))
+    entries.positions[every, slot] = t
+    entries.scores[every, slot] = scorer.new_scores(k)
+    if entries.codes is not None:
+        entries.codes[every, slot] = scorer.codes(k)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dmc_train.policies.base import Entries, Scorer, Step, aggregate, select, victims
+from dmc_train.policies.base import Entries, Scorer, Step, aggregate, choose_victims, insert, select
 
 
 @dataclass
@@ -77,7 +77,6 @@ def run_policy(scorer: Scorer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     entries.positions.scatter_(1, kept, kept)
     evicted_at[:, :p] = torch.where(entries.positions[:, :p] < 0, p, -1)
     evicting = scorer.cfg.schedule == "decode"  # prefill: decoded tokens are appended, nothing more is evicted
-    sink_recent = scorer.fixed(budget)
     qf, kf, vf = (x.float() for x in (q, k, v))
     heads = torch.arange(hk).repeat(b)
     horizon_t = torch.full((rows,), n - p if horizon is None else horizon)
@@ -85,16 +84,11 @@ def run_policy(scorer: Scorer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         step = Step(layer, heads, torch.full((rows,), t), torch.full((rows,), t - p), horizon_t, hk)
         q_t = qf[:, :, t].reshape(rows, g, -1)  # [N, G, d]
         if evicting:
-            full = entries.valid.sum(-1) >= budget
-            if bool(full.any()):
-                priority = aggregate(scorer.priority(entries, q_t, step), scorer.cfg.aggregate, hk)
-                slot = victims(priority, entries, step.t, *sink_recent)
-                r = full.nonzero()[:, 0]
-                evicted_at[r, slot[r]] = t
-                entries.positions[r, slot[r]] = -1
-        k_t = kf[:, :, t].reshape(rows, -1)
-        entries.positions[:, t] = t
-        entries.scores[:, t] = scorer.new_scores(k_t)
+            full, slot = choose_victims(scorer, entries, q_t, step, budget)
+            r = full.nonzero()[:, 0]
+            evicted_at[r, slot[r]] = t
+            entries.positions[r, slot[r]] = -1
+        insert(scorer, entries, step.t, kf[:, :, t].reshape(rows, -1), step.t)
         valid = entries.valid  # [N, n]
         logits = (q_t @ kf.reshape(rows, n, -1).transpose(1, 2)) * scorer.scale  # [N, G, n]
         probs = torch.softmax(logits.masked_fill(~valid[:, None], float("-inf")), dim=-1)

@@ -30,7 +30,7 @@ import torch
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.caches.full import FullCache, causal_attention
 from dmc_train.inference.pool import PagePool
-from dmc_train.policies.base import Entries, Scorer, Step, aggregate, victims
+from dmc_train.policies.base import Entries, Scorer, Step, choose_victims, insert
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
 
 
@@ -105,24 +105,15 @@ class EvictingCache(KVCache):
                           self.codes[rows] if self.scorer.code_bits else None)
         k, v = k.reshape(n, -1), v.reshape(n, -1)
         lens = self.pool.seq_lens[rows].long()
-        full = lens >= self.budget
-        slot = lens
-        if bool(full.any()):
-            priority = self.scorer.priority(entries, q.reshape(n, -1, q.shape[-1]).float(), step)
-            victim = victims(aggregate(priority, self.scorer.cfg.aggregate, hk), entries, t,
-                             *self.scorer.fixed(self.budget))
-            slot = torch.where(full, victim, lens)
-            if self.wants_evicted:
-                r = full.nonzero()[:, 0]
-                page, offset = self.pool.locate(rows[r], victim[r])
-                self.absorb(layer, rows[r], self.pool.k_pages[page, offset], self.pool.v_pages[page, offset])
+        full, victim = choose_victims(self.scorer, entries, q.reshape(n, -1, q.shape[-1]).float(), step, self.budget)
+        slot = torch.where(full, victim, lens)
+        if self.wants_evicted and bool(full.any()):
+            r = full.nonzero()[:, 0]
+            page, offset = self.pool.locate(rows[r], victim[r])
+            self.absorb(layer, rows[r], self.pool.k_pages[page, offset], self.pool.v_pages[page, offset])
         self.pool.grow(rows, lens + (~full).long())
         self.pool.write(rows, slot, k, v)
-        every = torch.arange(n)
-        entries.positions[every, slot] = t
-        entries.scores[every, slot] = self.scorer.new_scores(k)
-        if entries.codes is not None:
-            entries.codes[every, slot] = self.scorer.codes(k)
+        insert(self.scorer, entries, slot, k, t)
         out, attention = self._attend(rows, q, self.scorer.attention)
         if attention is not None:
             attention = torch.nn.functional.pad(attention, (0, self.budget - attention.shape[1]))
