@@ -8,8 +8,14 @@
 
 One prompt streams its tokens to the terminal; several print each output when it finishes. The
 end shows throughput, the KV bytes held, and the achieved compression per layer (DMC: tokens per
-cache slot). The cache follows the checkpoint (``--cache auto``: DMC checkpoints use the DMC cache).
-Logic: ``dmc_train/inference/``.
+cache slot). The cache follows the checkpoint (``--cache auto``: DMC checkpoints use the DMC cache);
+an eviction policy keeps a fixed budget per (sequence, layer, KV head) on vanilla and GQA checkpoints:
+
+    python launch/generate.py --checkpoint runs/base_tiny --prompt "To be" --cache h2o --budget 128
+    python launch/generate.py --checkpoint runs/base_tiny --prompt "To be" --cache tova --budget 0.25 \
+        --schedule prefill --compression-ratio 0.5 --policy-option aggregate=kv_head
+
+Logic: ``dmc_train/inference/``, ``dmc_train/policies/``.
 """
 
 import argparse
@@ -31,7 +37,14 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--cache", default="auto", help="auto | full | dmc")
+    p.add_argument("--cache", default="auto",
+                   help="auto | full | dmc | an eviction policy: h2o, tova, streaming_llm, keyformer, lsh_e, knorm")
+    p.add_argument("--budget", type=float, help="policy budget per (sequence, layer, KV head): entries (e.g. 128) or "
+                                                "a fraction of the context in (0, 1) (e.g. 0.25)")
+    p.add_argument("--schedule", choices=("decode", "prefill"), help="policy schedule (default decode)")
+    p.add_argument("--compression-ratio", type=float, help="prefill schedule: fraction of the prompt removed")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="another policy option, e.g. recent_fraction=0.3 (repeatable)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-bytes", default=None, help="KV page budget, e.g. 64MB (default: max-batch full-length rows)")
     p.add_argument("--max-batch", type=int, default=16)
@@ -59,6 +72,29 @@ def read_prompts(args) -> list:
     return prompts
 
 
+def cache_options(args) -> dict:
+    """The cache's options from the command line (only those given)."""
+    from dmc_train.errors import InferenceError
+
+    options = {k: v for k, v in (("budget", args.budget), ("schedule", args.schedule),
+                                 ("compression_ratio", args.compression_ratio)) if v is not None}
+    for item in args.policy_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InferenceError(f"--policy-option {item!r} must be KEY=VALUE, e.g. recent_fraction=0.3")
+        options[key] = _number(value)
+    return options
+
+
+def _number(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def report(engine, outputs, summary) -> None:
     st, mem = engine.stats, engine.memory()
     print("\n--- summary", flush=True)
@@ -73,6 +109,8 @@ def report(engine, outputs, summary) -> None:
               f"({st['decode_tokens'] / st['decode_s']:.0f} tokens/s, up to {st['max_running']} sequences at once)")
     print(f"KV cache ({engine.cache_name}): peak {mem['peak'] / 2**20:.2f} MiB of a {mem['total'] / 2**20:.2f} MiB "
           f"pool ({mem['pages']} pages x {mem['page_bytes']} bytes)")
+    if summary.get("kv_bytes_at_end"):
+        print(f"KV bytes held at the end (pages + state): {summary['kv_bytes_at_end'] / 2**20:.3f} MiB")
     if "compression" in summary:
         layers = " ".join(f"{c:.2f}" for c in summary["per_layer"])
         print(f"achieved compression: {summary['compression']:.2f}x (tokens per cache entry); per layer: {layers}")
@@ -93,7 +131,10 @@ def main(argv=None) -> None:
         prompts = read_prompts(args)
         kv_bytes = parse_size(args.kv_bytes) if args.kv_bytes else None
         engine = Engine.from_checkpoint(args.checkpoint, dtype=args.dtype, tokenizer=args.tokenizer, cache=args.cache,
-                                        page_size=args.page_size, kv_bytes=kv_bytes, max_batch=args.max_batch)
+                                        page_size=args.page_size, kv_bytes=kv_bytes, max_batch=args.max_batch,
+                                        **cache_options(args))
+        if getattr(engine.cache, "note", None):
+            print(f"note: {engine.cache.note}", file=sys.stderr)
         ids = [engine.add_request(p, params) for p in prompts]
         stream = len(prompts) == 1
         if stream and isinstance(prompts[0], str):

@@ -1,9 +1,9 @@
 """Knorm (Devoto et al., 2024): keys with a low L2 norm tend to receive high attention, so the entries
 with the largest key norm are evicted. No attention is needed (LSH-E's baseline).
 
-The norm is rounded to 1/1024: a token repeated at two positions has the same key norm (RoPE is a
-rotation), and the rounding makes such ties exact, so the keep rule's tie-break (the newest stays)
-decides them rather than floating-point noise of the projection.
+Ties: in the first layer a token repeated at two positions has the same key norm up to rounding
+(RoPE is a rotation), so which copy stays is decided by floating-point noise, as in kvpress; the
+engine and the teacher-forced form can then keep different copies of the same token.
 """
 
 from __future__ import annotations
@@ -19,4 +19,4 @@ class Knorm(Scorer):
         return self.new_scores(k)
 
     def new_scores(self, k):
-        return -(k.float().norm(dim=-1) * 1024).round() / 1024
+        return -k.float().norm(dim=-1)

@@ -54,7 +54,7 @@ def _policy(name: str) -> Callable[..., KVCache]:
         s = model.shape
         scorer = build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
         return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer,
-                             scorer.cfg.budget_entries(s.max_positions))
+                             scorer.cfg.budget_entries(s.max_positions), s.max_positions)
     return build
 
 
