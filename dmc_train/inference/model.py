@@ -63,6 +63,28 @@ class ModelShape:
                    m.vocab_size, m.norm_epsilon, float(m.rotary_base), m.max_position_embeddings)
 
 
+def random_weights(shape: ModelShape, seed: int = 0, std: float = 0.2) -> dict[str, torch.Tensor]:
+    """Random Llama weights in HF names for ``shape`` (norm weights around 1): tests and timing benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    d, h, ffn = shape.head_dim, shape.hidden_size, shape.ffn_hidden_size
+
+    def rnd(*size):
+        return torch.randn(*size, generator=g) * std
+
+    w = {"model.embed_tokens.weight": rnd(shape.vocab_size, h), "lm_head.weight": rnd(shape.vocab_size, h),
+         "model.norm.weight": 1 + rnd(h)}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": rnd(shape.num_heads * d, h),
+                  p + "self_attn.k_proj.weight": rnd(shape.num_kv_heads * d, h),
+                  p + "self_attn.v_proj.weight": rnd(shape.num_kv_heads * d, h),
+                  p + "self_attn.o_proj.weight": rnd(h, shape.num_heads * d),
+                  p + "mlp.gate_proj.weight": rnd(ffn, h), p + "mlp.up_proj.weight": rnd(ffn, h),
+                  p + "mlp.down_proj.weight": rnd(h, ffn),
+                  p + "input_layernorm.weight": 1 + rnd(h), p + "post_attention_layernorm.weight": 1 + rnd(h)})
+    return w
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it);
     angles in fp32, as megatron-core."""

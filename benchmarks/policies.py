@@ -1,0 +1,164 @@
+"""Eviction policies: decode cost that stays flat as the context grows, and held-out perplexity at a budget.
+
+    python benchmarks/policies.py                        # both parts (the second needs runs/base_tiny)
+    python benchmarks/policies.py --part speed --contexts 256 1024 4096 --budget 256
+    python benchmarks/policies.py --part ppl --checkpoint runs/base_tiny --max-sequences 64
+
+1. **speed**: a model shaped like ``base_tiny`` (4 layers, hidden 256, 8 heads, MHA) with random weights
+   and 4,096+ positions. For each context length a batch of ``--batch`` prompts of that length is
+   prefilled, then ``--steps`` decode steps are timed (median step). Every policy holds ``--budget``
+   entries per (sequence, layer, KV head) whatever the context; the full cache holds the context.
+   Printed per cache: step time per context, the ratio of the longest to the shortest context (goal
+   <= 1.15 for a policy), the policy's step over the full cache's holding as many entries (the full
+   cache at context = budget; goal <= 1.3), and the bytes one sequence holds (pages + state).
+2. **ppl**: teacher-forced perplexity of a trained checkpoint on the first ``--max-sequences``
+   sequences of its test split, for every policy (schedule ``decode``, decoding from the first token)
+   at budgets 1/2, 1/4, 1/8 of the sequence length, next to the full cache; a plot to ``--out``.
+
+All ratios come from this run (the machine is noisy).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def speed(args) -> dict:
+    from dmc_train.inference.caches import build_cache
+    from dmc_train.inference.model import LlamaForInference, ModelShape, random_weights
+    from dmc_train.inference.pool import PagePool
+    from dmc_train.policies import POLICIES
+
+    longest = max(args.contexts)
+    shape = ModelShape(num_layers=4, hidden_size=256, ffn_hidden_size=688, num_heads=8, num_kv_heads=8,
+                       vocab_size=4096, max_positions=longest + args.steps + 8)
+    model = LlamaForInference(shape, random_weights(shape), None, torch.float32)
+    rows = args.batch * shape.num_layers * shape.num_kv_heads
+    g = torch.Generator().manual_seed(0)
+    results = {}
+    for name in ["full", *POLICIES]:
+        options = {} if name == "full" else {"budget": args.budget}
+        per_context = {}
+        for context in args.contexts:
+            pages = rows * (-(-(context + args.steps + 1) // 16))
+            pool = PagePool(pages, 16, shape.head_dim, rows, shape.max_positions)
+            cache = build_cache(name, pool, model, options)
+            seqs = list(range(args.batch))
+            for s in seqs:
+                cache.add(s, args.steps)
+                model.prefill(cache, s, torch.randint(0, shape.vocab_size, (context,), generator=g))
+            times = []
+            for step in range(args.steps):
+                tokens = torch.randint(0, shape.vocab_size, (args.batch,), generator=g)
+                start = time.perf_counter()
+                model.decode(cache, seqs, tokens, torch.full((args.batch,), context + step))
+                times.append(time.perf_counter() - start)
+            held = cache.bytes_held(0)
+            per_context[context] = {"step_ms": 1e3 * statistics.median(times[2:]), "bytes": held["total"],
+                                    "state_bytes": held["state"]}
+            print(f"  {name:14s} context {context:5d}: {per_context[context]['step_ms']:.2f} ms/step "
+                  f"(batch {args.batch}), {held['total'] / 1024:.0f} KiB per sequence", flush=True)
+        results[name] = per_context
+    lo, hi = min(args.contexts), max(args.contexts)
+    full_at_budget = results["full"].get(args.budget, {}).get("step_ms")
+    print(f"\nstep time at {hi} / at {lo} tokens of context; step over the full cache holding {args.budget} "
+          f"entries; KiB per sequence at {hi}")
+    for name, r in results.items():
+        flat = r[hi]["step_ms"] / r[lo]["step_ms"]
+        vs_full = (f"{r[hi]['step_ms'] / full_at_budget:.2f}x" if full_at_budget and name != "full" else "-")
+        print(f"  {name:14s} {flat:5.2f}x   {vs_full:>6s}   {r[hi]['bytes'] / 1024:8.0f}")
+    return results
+
+
+def perplexity(args) -> dict:
+    from dmc_train.data.datasets import build_datasets
+    from dmc_train.evaluation.policy_perplexity import policy_loss
+    from dmc_train.inference.model import LlamaForInference
+    from dmc_train.policies import POLICIES, build_scorer
+
+    model, loaded = LlamaForInference.from_checkpoint(args.checkpoint)
+    cfg = loaded.cfg
+    _, _, test = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
+    n = cfg.train.seq_length
+    s = model.shape
+    results = {"full": {}}
+    full = policy_loss(model, test, build_scorer("h2o", {"budget": n}, s.head_dim, s.num_heads // s.num_kv_heads,
+                                                 model.scale), n, max_sequences=args.max_sequences)
+    results["full"] = {str(n): full["ppl"]}
+    print(f"full cache: test perplexity {full['ppl']:.2f} ({full['tokens']} tokens)", flush=True)
+    budgets = [n // 2, n // 4, n // 8]
+    for name in POLICIES:
+        results[name] = {}
+        for budget in budgets:
+            scorer = build_scorer(name, {"budget": budget}, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
+            r = policy_loss(model, test, scorer, budget, max_sequences=args.max_sequences,
+                            progress=lambda line: print("  " + line, end="\r", flush=True))
+            results[name][str(budget)] = r["ppl"]
+            print(f"  {name:14s} budget {budget:4d} ({n // budget}x fewer entries): test perplexity {r['ppl']:.2f}"
+                  + " " * 30, flush=True)
+    print(f"\ntest perplexity, first {args.max_sequences} test sequences of {n} tokens (full cache "
+          f"{full['ppl']:.2f})")
+    print("| policy | " + " | ".join(f"budget {b} (1/{n // b})" for b in budgets) + " |")
+    print("|---|" + "---|" * len(budgets))
+    for name in POLICIES:
+        print(f"| {name} | " + " | ".join(f"{results[name][str(b)]:.2f}" for b in budgets) + " |")
+    for b in budgets:
+        best = min(POLICIES, key=lambda p: results[p][str(b)])
+        print(f"budget {b}: best {best} ({results[best][str(b)]:.2f})")
+    plot(results, budgets, n, args.out)
+    return results
+
+
+def plot(results: dict, budgets: list[int], n: int, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, by_budget in results.items():
+        if name == "full":
+            ax.axhline(next(iter(by_budget.values())), color="black", linestyle="--", label="full cache")
+            continue
+        ax.plot([n / b for b in budgets], [by_budget[str(b)] for b in budgets], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("compression (context / budget per KV head)")
+    ax.set_ylabel("test perplexity (teacher-forced decoding)")
+    ax.set_title("Eviction policies on base_tiny")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"plot: {out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("speed", "ppl", "all"), default="all")
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--checkpoint", default=os.path.join(ROOT, "runs/base_tiny"))
+    p.add_argument("--max-sequences", type=int, default=64)
+    p.add_argument("--out", default=os.path.join(ROOT, "docs/policies.png"))
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    results = {}
+    if args.part in ("speed", "all"):
+        results["speed"] = speed(args)
+    if args.part in ("ppl", "all"):
+        results["ppl"] = perplexity(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
