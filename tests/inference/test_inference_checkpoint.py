@@ -79,3 +79,26 @@ def test_generate_command_bad_input(runs, args, message):
     proc = run(["launch/generate.py", *[a.format(runs=runs) for a in args]], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+
+
+def test_every_policy_and_schedule_through_the_generate_command(runs, tmp_path):
+    """The whole registry: prefill + 50 decode steps of a ragged batch on a GQA checkpoint."""
+    from dmc_train.policies import POLICIES
+    from launch.generate import main
+
+    prompts = tmp_path / "prompts.txt"
+    lengths = (30, 3, 17)
+    prompts.write_text("\n".join(" ".join(str(5 + (7 * i + j) % 200) for j in range(n)) for i, n in enumerate(lengths)))
+    budget = 24
+    for policy in POLICIES:
+        for schedule in ("decode", "prefill"):
+            out = tmp_path / f"{policy}_{schedule}.json"
+            main(["--checkpoint", str(runs / "gqa"), "--prompts-file", str(prompts), "--token-ids", "--max-new-tokens",
+                  "50", "--cache", policy, "--budget", str(budget), "--schedule", schedule, "--json", str(out)])
+            result = json.loads(out.read_text())
+            for o, n in zip(result["outputs"], lengths):
+                assert o["error"] is None and len(o["tokens"]) == 50
+                written = n + 49  # the last sampled token is never fed
+                kept = budget if schedule == "decode" else max(1, int(n * 0.5)) + 49
+                assert {c for layer in o["entries"] for c in layer} == {min(kept, written)}, (policy, schedule)
+                assert len(o["entries"][0]) == 4  # one row per KV group
