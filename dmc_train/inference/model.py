@@ -140,6 +140,7 @@ class LlamaForInference:
         """A checkpoint of this project (any saved TP/PP layout) -> ``(model, loaded)``; ``loaded`` is the
         :class:`~dmc_train.training.model_loading.LoadedModel` (config, meta). DMC and Fixed Memory Pooling
         checkpoints get their :class:`DMCSettings`."""
+        from dmc_train.methods import METHODS
         from dmc_train.methods.configs import dmc_settings
         from dmc_train.models.llama_weights import megatron_to_hf
         from dmc_train.training.model_loading import load_model
@@ -149,7 +150,7 @@ class LlamaForInference:
         state = {k: v for k, v in loaded.model[0].state_dict().items() if isinstance(v, torch.Tensor)}
         weights = megatron_to_hf(state, shape.num_heads, shape.num_kv_heads)
         dmc = None
-        if loaded.cfg.method.name in ("dmc", "fixed_pooling"):
+        if METHODS[loaded.cfg.method.name].cache == "dmc":  # the method declares the cache it needs
             dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))
         torch_dtype = DTYPES[dtype or loaded.cfg.train.precision]
         return cls(shape, weights, dmc, torch_dtype), loaded

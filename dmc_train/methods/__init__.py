@@ -20,20 +20,22 @@ from dmc_train.methods.configs import DMCConfig, FixedPoolingConfig, NoMethodCon
 class MethodEntry:
     config: type  # structured config dataclass with a ``check(cfg)`` staticmethod
     implementation: str  # "module:Class" of the Method subclass
+    cache: str = "full"  # the inference engine's cache a checkpoint of this method needs (inference/caches)
 
 
 METHODS: dict[str, MethodEntry] = {}
 
 
-def register_method(name: str, config: type, implementation: str) -> None:
+def register_method(name: str, config: type, implementation: str, cache: str = "full") -> None:
     """Make ``method=<name>`` available: its config node (registered with Hydra by
-    :func:`dmc_train.recipes.register_schema`) and its ``"module:Class"`` implementation."""
-    METHODS[name] = MethodEntry(config, implementation)
+    :func:`dmc_train.recipes.register_schema`), its ``"module:Class"`` implementation and the inference
+    cache its checkpoints need (``full``: every token; ``dmc``: Algorithm 1)."""
+    METHODS[name] = MethodEntry(config, implementation, cache)
 
 
 register_method("none", NoMethodConfig, "dmc_train.methods.base:Method")
-register_method("dmc", DMCConfig, "dmc_train.methods.dmc:DMCMethod")
-register_method("fixed_pooling", FixedPoolingConfig, "dmc_train.methods.dmc:FixedPoolingMethod")
+register_method("dmc", DMCConfig, "dmc_train.methods.dmc:DMCMethod", cache="dmc")
+register_method("fixed_pooling", FixedPoolingConfig, "dmc_train.methods.dmc:FixedPoolingMethod", cache="dmc")
 
 
 def _entry(cfg: Any) -> MethodEntry:

@@ -23,7 +23,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="session")
 def make_model():
-    weights = random_weights()
+    weights = random_weights(SHAPE)
 
     def make(variant: str = "full", dtype=torch.float32) -> LlamaForInference:
         return LlamaForInference(SHAPE, weights, VARIANTS[variant], dtype)

@@ -102,3 +102,19 @@ def test_every_policy_and_schedule_through_the_generate_command(runs, tmp_path):
                 kept = budget if schedule == "decode" else max(1, int(n * 0.5)) + 49
                 assert {c for layer in o["entries"] for c in layer} == {min(kept, written)}, (policy, schedule)
                 assert len(o["entries"][0]) == 4  # one row per KV group
+
+
+def test_policies_on_a_trained_checkpoint_keep_what_the_parallel_form_keeps(runs):
+    """Engine vs parallel form on the GQA checkpoint (4 KV groups), every policy and schedule."""
+    import torch
+
+    from dmc_train.inference.model import LlamaForInference
+    from dmc_train.policies import POLICIES
+    from tests.inference.test_policy_caches import assert_engine_matches_parallel
+
+    model, _ = LlamaForInference.from_checkpoint(str(runs / "gqa"))
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randperm(model.shape.vocab_size, generator=g)[:n] for n in (70, 45)]
+    for policy in POLICIES:
+        for schedule in ("decode", "prefill"):
+            assert_engine_matches_parallel(model, policy, schedule, sequences, prompt_lens=[40, 2], budget=24)
