@@ -26,7 +26,7 @@ _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.in
 
 def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Hamming distance of packed codes ``a [..., nbytes]`` and ``b [..., nbytes]`` (broadcast) -> ``[...]``."""
-    return _POPCOUNT.to(a.device)[(a ^ b).long()].sum(-1)
+    return _POPCOUNT.to(a.device)[(a ^ b).int()].sum(-1)
 
 
 @dataclass
@@ -63,12 +63,13 @@ class LSHE(Scorer):
         bits = torch.nn.functional.pad(bits, (0, pad)).unflatten(-1, (-1, 8))
         return (bits * self.bit_weights.to(x.device)).sum(-1).to(torch.uint8)
 
-    def prompt_scores(self, q, k, layer, block: int = 128):
+    def prompt_scores(self, q, k, layer, elements: int = 1 << 22):
         b, hk, n = k.shape[:3]
         kc = self.codes(k)  # [b, H_kv, n, nbytes]
         qc = self.codes(q).view(b, hk, -1, n, kc.shape[-1])  # [b, H_kv, G, n, nbytes]
+        block = max(1, elements // qc[:, :, :, 0].numel() // n)  # query blocks of at most ~elements codes
         total = torch.zeros(b, hk, n, dtype=torch.float32, device=k.device)
-        for start in range(0, n, block):  # query blocks: never an n x n x G tensor
+        for start in range(0, n, block):
             end = min(n, start + block)
             dist = hamming(qc[:, :, :, start:end, None], kc[:, :, None, None]).sum(2).float()  # [b, H_kv, m, n]
             causal = torch.arange(n, device=k.device)[None, :] <= torch.arange(start, end, device=k.device)[:, None]

@@ -29,9 +29,9 @@ class TOVA(Scorer):
 
     def prompt_scores(self, q, k, layer):
         b, hk, n, d = k.shape
-        logits = (q[:, :, -1:].float() @ k.float().repeat_interleave(q.shape[1] // hk, 1).transpose(2, 3))
-        probs = torch.softmax(logits * self.scale, dim=-1)[:, :, 0]  # [b, H, n]
-        scores = probs.view(b, hk, -1, n).sum(2)
+        q_last = q[:, :, -1].float().view(b, hk, -1, d)  # [b, H_kv, G, d]
+        probs = torch.softmax(q_last @ k.float().transpose(2, 3) * self.scale, dim=-1)  # [b, H_kv, G, n]
+        scores = probs.sum(2)
         scores[..., -1] = scores.amax(-1)  # kvpress: the last token is never pruned
         return scores
 

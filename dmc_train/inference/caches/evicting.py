@@ -64,10 +64,10 @@ class EvictingCache(KVCache):
         per_row = sum(t[0].nbytes for t in (self.positions, self.scores, self.codes, self.prompt_len, self.horizon))
         return per_row * self.rows[seq_id].numel()
 
+    wants_evicted = False  # True: read the victims' entries and pass them to absorb()
+
     def absorb(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Evicted pairs ``k [M, d]``, ``v [M, d_v]`` of ``rows [M]`` before they are overwritten (LESS)."""
-
-    wants_evicted = False  # True: read the victims' entries and pass them to absorb()
 
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
