@@ -108,6 +108,22 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """``launch/evaluate.py`` with a cache: ``eval.cache=h2o eval.budget=0.25`` evaluates held-out perplexity
+    when every sequence is decoded token by token under that eviction policy (``model``: the checkpoint's
+    own attention). ``prompt_len``: tokens prefilled with full attention first; ``max_sequences``: the
+    first N sequences of each split (0: all); ``options``: the policy's own options
+    (``+eval.options.recent_fraction=0.3``)."""
+
+    cache: str = "model"
+    budget: float = 0.25
+    schedule: str = "decode"
+    prompt_len: int = 1
+    max_sequences: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Config:
     run_name: str = "run"
     run_dir: str = "runs/${run_name}"
@@ -118,6 +134,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # One structured config per method, chosen with the Hydra group ``method`` (``method=dmc``);
     # the nodes live with the methods (dmc_train/methods/configs.py).
     method: Any = MISSING

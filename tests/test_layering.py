@@ -30,12 +30,12 @@ LAYERS = {
     "dmc_train.recipes": 6,
     "dmc_train.cluster": 7,
     "dmc_train.training": 8,
-    "dmc_train.evaluation": 9,
     "dmc_train.inference": 9,
     "dmc_train.conversion": 9,
-    "dmc_train.cli": 10,
-    "launch": 11,
-    "checkpoints_tools": 11,
+    "dmc_train.evaluation": 10,  # evaluates with the training model and with the inference engine
+    "dmc_train.cli": 11,
+    "launch": 12,
+    "checkpoints_tools": 12,
 }
 PACKAGES = ("dmc_train", "kernels", "launch", "checkpoints_tools")
 

@@ -31,12 +31,18 @@ def resolve_checkpoint(cfg: Any) -> str:
 def evaluate_checkpoint(cfg: Any) -> dict:
     """Perplexity on every full global batch of the valid and test splits; writes ``eval.json``.
 
+    With ``eval.cache=<policy>`` (an eviction policy of ``dmc_train.policies``) the perplexity is that of
+    decoding every sequence token by token at ``eval.budget`` (teacher-forced with the policy's parallel
+    form, :func:`evaluate_with_policy`) and the file is ``eval_<policy>_<budget>.json``.
+
     Returns ``{"checkpoint", "step", "<split>_loss", "<split>_ppl", "<split>_unigram_ppl"}`` and the
     method's evaluation metrics per split (DMC: ``<split>_achieved_cr``, per layer and per head).
     The model is loaded alone (no optimizer) at the config's parallel layout.
     """
     ckpt = resolve_checkpoint(cfg)
     meta = ckpt_mod.read_meta(ckpt)
+    if cfg.eval.cache != "model":
+        return evaluate_with_policy(cfg, ckpt, meta)
     out_path = os.path.join(cfg.run_dir, "eval.json")
     if os.path.exists(out_path):
         with open(out_path) as f:
@@ -60,7 +66,41 @@ def evaluate_checkpoint(cfg: Any) -> dict:
 
             result[f"{split}_unigram_ppl"] = prefix_unigram_perplexity(cfg.data.prefixes[0], prefixes[0])
     if distributed.is_rank0():
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(out_path + ".tmp", out_path)
+        _write_json(result, out_path)
     return result
+
+
+def evaluate_with_policy(cfg: Any, ckpt: str, meta: dict) -> dict:
+    """Held-out perplexity under the eviction policy ``cfg.eval.cache`` (one process, the inference model)."""
+    from dmc_train.evaluation.policy_perplexity import policy_loss
+    from dmc_train.inference.model import LlamaForInference
+    from dmc_train.policies import build_scorer
+
+    e = cfg.eval
+    model, _ = LlamaForInference.from_checkpoint(ckpt)
+    s = model.shape
+    options = {"budget": e.budget, "schedule": e.schedule, **dict(e.options)}
+    scorer = build_scorer(e.cache, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
+    if model.dmc is not None:
+        raise CheckpointError(f"eval.cache={e.cache} is an eviction policy for vanilla and GQA checkpoints; {ckpt} "
+                              f"is a DMC model (evaluate it with eval.cache=model)")
+    budget = scorer.cfg.budget_entries(s.max_positions)
+    scorer.check_budget(budget)
+    _, valid_data, test_data = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
+    result = {"checkpoint": ckpt, "step": meta["step"], "cache": e.cache, "budget": budget,
+              "schedule": e.schedule, "prompt_len": e.prompt_len}
+    for split, data in (("valid", valid_data), ("test", test_data)):
+        if data is None:
+            continue
+        r = policy_loss(model, data, scorer, budget, e.prompt_len, cfg.train.micro_batch_size, e.max_sequences,
+                        progress=lambda line: print(line, flush=True) if distributed.is_rank0() else None)
+        result[f"{split}_loss"], result[f"{split}_ppl"], result[f"{split}_tokens"] = r["loss"], r["ppl"], r["tokens"]
+    if distributed.is_rank0():
+        _write_json(result, os.path.join(cfg.run_dir, f"eval_{e.cache}_{budget}.json"))
+    return result
+
+
+def _write_json(result: dict, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)

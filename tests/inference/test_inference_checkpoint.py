@@ -118,3 +118,25 @@ def test_policies_on_a_trained_checkpoint_keep_what_the_parallel_form_keeps(runs
     for policy in POLICIES:
         for schedule in ("decode", "prefill"):
             assert_engine_matches_parallel(model, policy, schedule, sequences, prompt_lens=[40, 2], budget=24)
+
+
+def test_evaluate_command_with_an_eviction_policy(runs):
+    """launch/evaluate.py eval.cache=<policy>: a budget covering the sequence is the model's own perplexity;
+    a smaller one is the policy's; bad settings are one line."""
+    gqa = ["launch/evaluate.py", "+recipe=tiny_pretrain", "model.num_query_groups=4", f"run_dir={runs / 'gqa'}"]
+    run(gqa)
+    model = json.loads((runs / "gqa" / "eval.json").read_text())
+    run([*gqa, "eval.cache=tova", "eval.budget=64"])  # 64 = train.seq_length: nothing is evicted
+    full = json.loads((runs / "gqa" / "eval_tova_64.json").read_text())
+    assert full["valid_ppl"] == pytest.approx(model["valid_ppl"], rel=1e-5)
+    proc = run([*gqa, "eval.cache=knorm", "eval.budget=8", "eval.max_sequences=4"])
+    small = json.loads((runs / "gqa" / "eval_knorm_8.json").read_text())
+    assert "cache knorm, budget 8 (decode)" in proc.stdout
+    assert small["valid_tokens"] == 4 * 64 and small["valid_ppl"] != pytest.approx(model["valid_ppl"], rel=1e-5)
+    for args, message in ((["eval.cache=h2x"], "unknown policy 'h2x'; the policies are h2o"),
+                          (["eval.cache=lsh_e", "eval.budget=5"], "smaller than lsh_e's fixed part"),
+                          (["eval.cache=h2o", f"run_dir={runs / 'dmc'}", "model.num_query_groups=null", "method=dmc"],
+                           "is a DMC model (evaluate it with eval.cache=model)")):
+        proc = run([*gqa, *args], check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
