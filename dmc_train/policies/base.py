@@ -67,6 +67,21 @@ class PolicyConfig:
         return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context))
 
 
+@dataclass
+class RecentWindowConfig(PolicyConfig):
+    """A policy whose fixed part is a window of the ``recent_fraction`` newest entries of the budget."""
+
+    recent_fraction: float = 0.5
+
+    def check(self) -> None:
+        super().check()
+        if not 0 <= self.recent_fraction <= 1:
+            raise ConfigError(f"recent_fraction={self.recent_fraction} must be in [0, 1]")
+
+    def recent(self, budget: int) -> int:
+        return int(round(self.recent_fraction * budget))
+
+
 def make_config(config_type: type, options: dict[str, Any], policy: str) -> PolicyConfig:
     """``config_type(**options)`` checked, with a one-line error naming an unknown option."""
     known = [f.name for f in fields(config_type)]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dmc_train.errors import ConfigError
-from dmc_train.policies.base import PolicyConfig, Scorer
+from dmc_train.policies.base import RecentWindowConfig, Scorer
 from kernels.paged import attention_column_sums
 
 TAU_SCHEDULES = ("paper", "code")
@@ -46,7 +46,7 @@ def gumbel_noise(seed: int, layer: int, heads: torch.Tensor, query_pos: torch.Te
 
 
 @dataclass
-class KeyformerConfig(PolicyConfig):
+class KeyformerConfig(RecentWindowConfig):
     recent_fraction: float = 0.3  # share of the budget for the recent window (the paper's default ratio)
     tau_init: float = 1.0
     tau_end: float = 2.0
@@ -56,8 +56,6 @@ class KeyformerConfig(PolicyConfig):
 
     def check(self) -> None:
         super().check()
-        if not 0 <= self.recent_fraction <= 1:
-            raise ConfigError(f"recent_fraction={self.recent_fraction} must be in [0, 1]")
         if self.tau_schedule not in TAU_SCHEDULES:
             raise ConfigError(f"tau_schedule={self.tau_schedule!r} is not one of {', '.join(TAU_SCHEDULES)}")
         if self.tau_init <= 0 or self.tau_end <= 0:
@@ -70,7 +68,7 @@ class Keyformer(Scorer):
     attention = "logits"
 
     def fixed(self, budget):
-        return 0, int(round(self.cfg.recent_fraction * budget))
+        return 0, self.cfg.recent(budget)
 
     def tau(self, step) -> torch.Tensor:
         """``[N]`` temperature of the current decode step."""
