@@ -132,7 +132,7 @@ def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr):
 
 
 def test_attached_loss_joins_the_backward():
-    from dmc_train.models.dmc.cr_loss import AttachLoss
+    from dmc_train.models.layer_loss import AttachLoss
 
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)

@@ -10,7 +10,8 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dmc_train.models.dmc.attention import DecisionHandoff, DMCCoreAttention, DMCSelfAttention, DMCState
-from dmc_train.models.dmc.cr_loss import FORMS, AttachLoss, CRLossTracker
+from dmc_train.models.dmc.cr_loss import FORMS, CRLossTracker
+from dmc_train.models.layer_loss import AttachLoss
 from dmc_train.models.llama_weights import qkv_by_group
 
 __all__ = ["FORMS", "AttachLoss", "CRLossTracker", "DMCCoreAttention", "DMCSelfAttention", "DMCState",

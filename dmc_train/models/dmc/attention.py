@@ -48,7 +48,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.attention import SelfAttention
 
 from dmc_train.models.attention import SDPACoreAttention
-from dmc_train.models.dmc.cr_loss import AttachLoss, CRLossTracker
+from dmc_train.models.dmc.cr_loss import CRLossTracker
+from dmc_train.models.layer_loss import AttachLoss
 from kernels.dmc import decisions, dmc_attention, partial_accumulation
 
 

@@ -198,19 +198,3 @@ class _InjectCRGradient(torch.autograd.Function):
     def backward(ctx, grad):
         coef = ctx.tracker.alpha_gradient(ctx.m, ctx.layer, ctx.head_offset, grad.shape[1])
         return grad + coef.to(grad.dtype), None, None, None, None
-
-
-class AttachLoss(torch.autograd.Function):
-    """``AttachLoss.apply(x, loss, weight)`` returns ``x``; in backward ``loss`` receives gradient
-    ``weight``, so an auxiliary loss computed inside a layer joins the (pipeline) backward through the
-    activations that carry it."""
-
-    @staticmethod
-    def forward(ctx, x, loss, weight):
-        ctx.weight = weight
-        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.full(ctx.loss_shape, ctx.weight, dtype=ctx.loss_dtype, device=grad.device), None
