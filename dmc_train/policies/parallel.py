@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dmc_train.policies.base import Entries, Scorer, Step, aggregate, choose_victims, insert, select
+from kernels.less import eviction_masks
 
 
 @dataclass
@@ -30,11 +31,7 @@ class PolicyRun:
 
     def visible(self) -> torch.Tensor:
         """``[b, H_kv, n, n]`` bool: query t sees entry j."""
-        n = self.evicted_at.shape[-1]
-        t = torch.arange(n)[:, None]
-        causal = torch.arange(n)[None, :] <= t
-        ev = self.evicted_at[:, :, None, :]
-        return causal & ((ev < 0) | (ev > t))
+        return eviction_masks(self.evicted_at)[0]
 
 
 def prompt_keep(scorer: Scorer, budget: int, prompt_len: int) -> tuple[int, tuple[int, int]]:

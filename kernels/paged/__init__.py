@@ -79,7 +79,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     scores: str | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Decode attention of one query token per row over the row's paged KV cache.
 
     Args:
@@ -93,6 +94,8 @@ def paged_attention(
         scale: score scale, default ``1 / sqrt(d)``.
         scores: None, ``"probs"`` or ``"logits"``: also return each cached entry's score from the same
             attention pass (for eviction policies such as H2O, TOVA, Keyformer).
+        return_lse: also return the log-sum-exp of each query head's logits (LESS combines the sparse
+            attention with its state by it).
 
     Returns:
         ``out [R, G, d_v]`` in q's dtype: ``softmax(q[r] K_r^T * scale) V_r`` over the row's
@@ -105,6 +108,9 @@ def paged_attention(
         ``s[r, i] = sum_g q[r, g] . k_i * scale``. Entries ``i >= seq_lens[r]`` are 0. flash-attn cannot
         return scores, so then the Triton (CUDA) or PyTorch path runs.
 
+        With ``return_lse``: ``lse [R, G]`` float32, ``log sum_i exp(q[r, g] . k_i * scale)``, appended last:
+        ``(out, lse)`` or ``(out, s, lse)``.
+
     Raises:
         ValueError: on bad inputs, including a ``scores`` other than None / "probs" / "logits".
     """
@@ -112,12 +118,12 @@ def paged_attention(
     check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if scores is None and get_backend() == "auto" and flash_fits(q, k_pages):
+    if scores is None and not return_lse and get_backend() == "auto" and flash_fits(q, k_pages):
         return paged_attention_flash(q, k_pages, v_pages, block_table, seq_lens, float(scale))
     impl = _impl("paged_attention", q.device)
-    if scores is None:
+    if scores is None and not return_lse:
         return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale))
-    return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores=scores)
+    return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores=scores, return_lse=return_lse)
 
 
 def attention_column_sums(

@@ -98,3 +98,9 @@ def check_column_sum_inputs(q: torch.Tensor, k: torch.Tensor, tau: float, block:
         raise ValueError(f"tau must be > 0, got {tau}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
+
+
+def pack_outputs(out, s, lse):
+    """``out``, or the tuple of ``out`` and the extras that were asked for (``s``, ``lse``), in that order."""
+    extras = tuple(t for t in (s, lse) if t is not None)
+    return (out, *extras) if extras else out

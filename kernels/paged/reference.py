@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores, work_dtype
+from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores, pack_outputs, work_dtype
 
 
 def reference_paged_attention(
@@ -25,6 +25,7 @@ def reference_paged_attention(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     scores: str | None = None,
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`kernels.paged.paged_attention`: for each row r, collect its ``seq_lens[r]``
     tokens one by one (token i at ``k_pages[block_table[r, i // page_size], i % page_size]``), then
@@ -42,6 +43,7 @@ def reference_paged_attention(
     out = torch.empty(q.shape[0], q.shape[1], v_pages.shape[2], dtype=wd, device=q.device)
     L = int(seq_lens.max()) if q.shape[0] else 0
     s = torch.zeros(q.shape[0], L, dtype=torch.float32, device=q.device)
+    lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     for r in range(q.shape[0]):
         keys, values = [], []
         for i in range(int(seq_lens[r])):
@@ -51,11 +53,11 @@ def reference_paged_attention(
         k, v = torch.stack(keys).to(wd), torch.stack(values).to(wd)
         logits = q[r].to(wd) @ k.T * scale  # [G, n]
         weights = torch.softmax(logits, dim=-1)
+        lse[r] = logits.logsumexp(-1).float()
         out[r] = weights @ v
         for i in range(k.shape[0]):
             s[r, i] = (weights if scores == "probs" else logits)[:, i].sum()
-    out = out.to(q.dtype)
-    return out if scores is None else (out, s)
+    return pack_outputs(out.to(q.dtype), s if scores is not None else None, lse if return_lse else None)
 
 
 def reference_attention_column_sums(

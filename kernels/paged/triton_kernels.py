@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import pack_outputs
+
 
 @triton.jit
 def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale,
@@ -75,9 +77,9 @@ def _pow2(x: int, least: int = 16) -> int:
 
 
 def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: float, scores: str | None = None,
-                           pages_per_split: int = 16):
-    """:func:`kernels.paged.paged_attention` on validated inputs; ``out [R, G, d_v]`` in q's dtype, or
-    ``(out, s [R, L] fp32)`` when ``scores`` is ``"probs"`` / ``"logits"``."""
+                           return_lse: bool = False, pages_per_split: int = 16):
+    """:func:`kernels.paged.paged_attention` on validated inputs; ``out [R, G, d_v]`` in q's dtype, then
+    ``s [R, L] fp32`` when ``scores`` is ``"probs"`` / ``"logits"`` and ``lse [R, G] fp32`` with ``return_lse``."""
     R, G, d = q.shape
     page, dv = k_pages.shape[1], v_pages.shape[2]
     q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
@@ -104,11 +106,10 @@ def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: fl
             BLOCK_DV=_pow2(dv), STORE_S={None: 0, "probs": 1, "logits": 2}[scores])
     weight = torch.softmax(lse, dim=1)  # merge the splits by their log-sum-exps (empty splits: -inf -> 0)
     out = (weight[..., None] * out).sum(1).to(q.dtype)
-    if scores is None:
-        return out
+    total = torch.logsumexp(lse, dim=1)  # [R, G]
     if scores == "probs":
-        s = s.sub_(torch.logsumexp(lse, dim=1)[..., None]).exp_().sum(1)  # softmax weights, summed over G
-    return out, s
+        s = s.sub_(total[..., None]).exp_().sum(1)  # softmax weights, summed over G
+    return pack_outputs(out, s if scores is not None else None, total if return_lse else None)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import work_dtype
+from ._checks import pack_outputs, work_dtype
 
 GROUPS = 4
 
@@ -29,9 +29,10 @@ def paged_attention_torch(
     seq_lens: torch.Tensor,
     scale: float,
     scores: str | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`kernels.paged.paged_attention` on validated inputs (same layouts); ``out [R, G, d_v]`` in q's dtype,
-    or ``(out, s [R, L] fp32)`` when ``scores`` is ``"probs"`` / ``"logits"``.
+    then ``s [R, L] fp32`` when ``scores`` is ``"probs"`` / ``"logits"`` and ``lse [R, G] fp32`` with ``return_lse``.
 
     Written for inference: it runs under autograd (plain tensor ops) but its gradients are not tested.
     """
@@ -43,6 +44,7 @@ def paged_attention_torch(
     out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
     L = int(lens.max()) if R else 0
     s = torch.zeros(R, L, dtype=torch.float32, device=q.device) if scores is not None else None
+    lse = torch.empty(R, G, dtype=torch.float32, device=q.device) if return_lse else None
     distinct = int(torch.unique(used).numel())
     for rows in used.argsort().tensor_split(min(GROUPS, distinct)) if R else ():
         n_pages = int(used[rows].max())
@@ -55,8 +57,12 @@ def paged_attention_torch(
         tail = torch.arange(width, device=q.device) >= lens[rows, None]  # past the row's last entry
         if scores == "logits":
             s[rows, : min(width, L)] = logits.sum(1).masked_fill(tail, 0.0)[:, :L].float()
-        probs = torch.softmax(logits.masked_fill(tail[:, None, :], float("-inf")), dim=-1)
+        logits = logits.masked_fill(tail[:, None, :], float("-inf"))
+        if return_lse:
+            lse[rows] = logits.logsumexp(-1).float()
+        probs = torch.softmax(logits, dim=-1)
         if scores == "probs":
             s[rows, : min(width, L)] = probs.sum(1)[:, :L].float()  # the tail's probabilities are 0
         out[rows] = (probs @ v).to(q.dtype)
-    return out if scores is None else (out, s)
+    return pack_outputs(out, s, lse)
+

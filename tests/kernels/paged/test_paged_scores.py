@@ -189,3 +189,18 @@ def test_column_sums_invalid_inputs(q_shape, k_shape, tau, block, match):
 def test_column_sums_scale_matters():
     q, k = qk(1, 2, 2, 10, 8, seed=25)
     assert not torch.allclose(attention_column_sums(q, k, 1.0), attention_column_sums(q, k, 1 / math.sqrt(8)))
+
+
+@pytest.mark.parametrize("kind", [None, "probs"])
+def test_lse_matches_the_reference_and_dense(kind):
+    q, kp, vp, bt, seq_lens, _ = make_case(ragged_lens(16), G=3, seed=13)
+    got = paged_attention(q, kp, vp, bt, seq_lens, scores=kind, return_lse=True)
+    ref = reference_paged_attention(q, kp, vp, bt, seq_lens, scores=kind, return_lse=True)
+    assert len(got) == len(ref) == (3 if kind else 2)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    lse = got[-1]
+    for r, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        k = kp[bt[r, pos // 16].long(), pos % 16]
+        torch.testing.assert_close(lse[r], (q[r] @ k.T / math.sqrt(q.shape[-1])).logsumexp(-1), rtol=1e-5, atol=1e-5)

@@ -117,6 +117,10 @@ def test_paged_decode_kernel_scores_match_the_reference(kind, G, d, page_size):
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
         plain = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, pages_per_split=split)
         torch.testing.assert_close(out, plain, rtol=0, atol=0)  # out unchanged by the scores
+        _, _, lse = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, return_lse=True,
+                                           pages_per_split=split)
+        want_lse = reference_paged_attention(q, k, v, table, seq_lens, return_lse=True)[1]
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     assert (s[torch.arange(max(lens)) >= seq_lens[:, None].long()] == 0).all()
 
 

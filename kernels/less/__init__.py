@@ -1,0 +1,68 @@
+"""LESS's attention (Dong et al., 2024): the kept entries' softmax attention plus a low-rank state that
+holds every evicted pair (Eq. 3), combined in log space.
+
+For one query head, kept entries ``K_C, V_C`` and the state ``(H, z)`` of the pairs evicted so far:
+
+    out = (sum_kept e^{s_j} v_j + phi_q(q) H) / (sum_kept e^{s_j} + phi_q(q) z),   s_j = q k_j * scale
+
+computed as ``w * sparse + (1 - w) * linear`` with ``sparse`` the softmax attention over the kept
+entries (log-sum-exp ``lse``), ``linear = phi_q(q) H / (phi_q(q) z)`` and
+``w = sigmoid(lse - log(max(phi_q(q) z, eps)))``: no exponent ever overflows. ``phi_q(q) z`` is clamped
+at ``eps`` (1e-6, as the authors' code), so with an empty state (``H = 0``, ``z = 0``) the output is
+``w * sparse`` with ``1 - w <= eps * e^{-lse}``: the sparse attention within a relative
+``eps / sum_kept e^{s_j}``.
+
+- :func:`less_combine`: the combination, given the sparse output and its log-sum-exp (the inference
+  engine's decode step, any layout with matching leading dimensions).
+- :func:`less_attention`: the whole-sequence (parallel) form for training and teacher-forced
+  evaluation, given what every query sees and what was evicted before it (dense ``n x n`` per head).
+- :func:`eviction_masks`: those two masks from an eviction policy's log (when each entry left).
+
+Layouts: ``q [b, H, n, d]``, ``k [b, H_kv, n, d]``, ``v [b, H_kv, n, d_v]``, ``phi_q [b, H, n, r]``,
+``phi_k [b, H_kv, n, r]``, masks ``[b, H_kv, n, n]`` (query t, entry j); GQA: query head h reads KV head
+``h // G`` and its state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6
+
+
+def less_combine(sparse: torch.Tensor, lse: torch.Tensor, lin_num: torch.Tensor, lin_den: torch.Tensor,
+                 eps: float = EPS) -> torch.Tensor:
+    """``sparse [..., d_v]`` with ``lse [...]``, the state's numerator ``phi_q H [..., d_v]`` and denominator
+    ``phi_q z [...]`` -> the LESS output ``[..., d_v]`` (module docstring)."""
+    den = lin_den.clamp(min=eps)
+    w = torch.sigmoid(lse - den.log())[..., None]
+    return w * sparse + (1 - w) * (lin_num / den[..., None])
+
+
+def eviction_masks(evicted_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``evicted_at [b, H_kv, n]`` (the query position from which entry j is no longer kept; -1: never)
+    -> ``(visible, evicted)``, each ``[b, H_kv, n, n]`` bool: query t attends to entry j / entry j is in
+    the state when query t attends."""
+    n = evicted_at.shape[-1]
+    t = torch.arange(n, device=evicted_at.device)[:, None]
+    ev = evicted_at[:, :, None, :]
+    causal = torch.arange(n, device=evicted_at.device)[None, :] <= t
+    return causal & ((ev < 0) | (ev > t)), (ev >= 0) & (ev <= t)
+
+
+def less_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, evicted: torch.Tensor,
+                   phi_q: torch.Tensor, phi_k: torch.Tensor, scale: float, eps: float = EPS) -> torch.Tensor:
+    """LESS attention of every query of a sequence (module docstring): ``visible[t, j]`` the kept entries
+    query t attends to, ``evicted[t, j]`` the pairs in the state when query t attends. Differentiable in
+    ``phi_q`` and ``phi_k`` (and q, k, v); computed in fp32 (fp64 stays fp64); returns ``[b, H, n, d_v]`` in
+    q's dtype."""
+    b, h, n, _ = q.shape
+    g = h // k.shape[1]
+    wd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = q.to(wd), k.to(wd).repeat_interleave(g, 1), v.to(wd).repeat_interleave(g, 1)
+    visible, evicted = visible.repeat_interleave(g, 1), evicted.repeat_interleave(g, 1)
+    logits = (qf @ kf.transpose(2, 3) * scale).masked_fill(~visible, float("-inf"))
+    lse = logits.logsumexp(-1)
+    sparse = torch.softmax(logits, dim=-1) @ vf
+    weights = (phi_q.to(wd) @ phi_k.to(wd).repeat_interleave(g, 1).transpose(2, 3)) * evicted  # [b, H, n, n]
+    return less_combine(sparse, lse, weights @ vf, weights.sum(-1), eps).to(q.dtype)
