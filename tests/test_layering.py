@@ -25,8 +25,8 @@ LAYERS = {
     "kernels": 3,
     "dmc_train.models": 4,
     "dmc_train.data": 4,
+    "dmc_train.policies": 4,  # below the methods: LESS trains against a policy
     "dmc_train.methods": 5,
-    "dmc_train.policies": 5,
     "dmc_train.recipes": 6,
     "dmc_train.cluster": 7,
     "dmc_train.training": 8,

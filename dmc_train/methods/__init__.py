@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dmc_train.errors import ConfigError
-from dmc_train.methods.configs import DMCConfig, FixedPoolingConfig, NoMethodConfig
+from dmc_train.methods.configs import DMCConfig, FixedPoolingConfig, LESSConfig, NoMethodConfig
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ def register_method(name: str, config: type, implementation: str, cache: str = "
 register_method("none", NoMethodConfig, "dmc_train.methods.base:Method")
 register_method("dmc", DMCConfig, "dmc_train.methods.dmc:DMCMethod", cache="dmc")
 register_method("fixed_pooling", FixedPoolingConfig, "dmc_train.methods.dmc:FixedPoolingMethod", cache="dmc")
+register_method("less", LESSConfig, "dmc_train.methods.less:LESSMethod", cache="less")
 
 
 def _entry(cfg: Any) -> MethodEntry:

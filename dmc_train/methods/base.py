@@ -41,6 +41,11 @@ class Method:
         """Runs between model build and DDP/optimizer; returns the chunks to train."""
         return chunks
 
+    def added_parameter(self, name: str) -> bool:
+        """True for the parameters this method adds to the model (not in a base checkpoint or a Hugging Face
+        Llama: ``checkpoint.init_from`` leaves them as built)."""
+        return False
+
     def attach(self, trainer) -> None:
         """Called once the trainer has built (and possibly loaded) the model, optimizer and scheduler."""
 

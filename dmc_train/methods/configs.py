@@ -8,7 +8,7 @@ before any model is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dmc_train.errors import ConfigError
@@ -106,6 +106,39 @@ class FixedPoolingConfig(DMCConfig):
         if cfg.method.target_cr != int(cfg.method.target_cr):
             raise ConfigError(f"fixed_pooling averages every method.target_cr tokens: it must be an integer, "
                               f"got {cfg.method.target_cr}")
+
+
+@dataclass
+class LESSConfig:
+    """LESS distillation (docs/METHODS.md, LESS): per-head kernels learn, from the frozen model, the
+    attention the eviction ``policy`` loses at ``budget`` (entries per sequence, layer and KV head: a
+    count >= 1 or a fraction of model.max_position_embeddings)."""
+
+    name: str = "less"
+    policy: str = "h2o"  # an eviction policy of dmc_train/policies (h2o, streaming_llm, tova, ...)
+    budget: float = 0.05
+    policy_options: dict[str, Any] = field(default_factory=dict)  # the policy's own, e.g. recent_fraction
+    hidden: int = 512  # the kernels' hidden width R'
+    rank: int = 8  # the state's rank R
+    dropout: float = 0.3  # after the kernels' first layer, in training
+    init_scale: float = 1e-4  # D1 and D2 start here: the state starts near zero
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        m = cfg.method
+        if not (m.budget >= 1 and float(m.budget).is_integer()) and not 0 < m.budget < 1:
+            raise ConfigError(f"method.budget={m.budget} must be a whole number of entries >= 1 or a fraction of "
+                              f"model.max_position_embeddings in (0, 1)")
+        if m.hidden < 1 or m.rank < 1:
+            raise ConfigError(f"method.hidden={m.hidden} and method.rank={m.rank} must be >= 1")
+        if not 0 <= m.dropout < 1:
+            raise ConfigError(f"method.dropout={m.dropout} must be in [0, 1)")
+        if cfg.parallel.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel=true is not supported with LESS (its per-layer loss needs "
+                              "the whole sequence on every tensor-parallel rank); set it to false")
+        if cfg.train.recompute != "none":
+            raise ConfigError(f"train.recompute={cfg.train.recompute!r} is not supported with LESS (the base model is "
+                              f"frozen: nothing to recompute); set train.recompute=none")
 
 
 @dataclass(frozen=True)

@@ -522,20 +522,26 @@ def find_checkpoint(path: str) -> str:
     return path  # read_meta names what is missing
 
 
-def load_weights(ckpt: str, model_chunks: list, cfg: Any = None) -> dict:
+def load_weights(ckpt: str, model_chunks: list, cfg: Any = None,
+                 added: Callable[[str], bool] = lambda name: False) -> dict:
     """Load only the model weights of ``ckpt`` into unwrapped chunks (any TP/PP layout); returns meta.
 
     ``ckpt`` may also be a run directory or checkpoints root (its ``latest`` is used). With ``cfg``
-    the checkpoint's model shape is checked against ``cfg.model`` first.
+    the checkpoint's model shape is checked against ``cfg.model`` first. ``added(name)``: parameters a
+    method adds to the model (LESS's kernels), which a base checkpoint does not hold: left as built.
     """
     ckpt = find_checkpoint(ckpt)
     meta = read_meta(ckpt)
     if cfg is not None:
         check_model_shape(ckpt, meta, cfg)
-    request = {_model_key(i, len(model_chunks)): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
+    request = {_model_key(i, len(model_chunks)): {k: v for k, v in c.sharded_state_dict().items() if not added(k)}
+               for i, c in enumerate(model_chunks)}
     state = _load(request, ckpt)
     for i, chunk in enumerate(model_chunks):
-        chunk.load_state_dict(state[_model_key(i, len(model_chunks))], strict=True)
+        missing, unexpected = chunk.load_state_dict(state[_model_key(i, len(model_chunks))], strict=False)
+        if unexpected or [k for k in missing if not added(k)]:
+            raise CheckpointError(f"checkpoint {ckpt} does not fit the model: missing "
+                                  f"{[k for k in missing if not added(k)][:3]}, unexpected {unexpected[:3]}")
     return meta
 
 

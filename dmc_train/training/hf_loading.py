@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -233,11 +233,13 @@ def full_tensor(weights: HFWeights, global_name: str, full_shape: tuple[int, ...
 
 
 @torch.no_grad()
-def load_hf_into_model(hf_dir: str, chunks: list, cfg: Any) -> dict:
+def load_hf_into_model(hf_dir: str, chunks: list, cfg: Any,
+                       skip: Callable[[str], bool] = lambda name: False) -> dict:
     """Fill this rank's unwrapped chunks (``GPTModel``, any TP/PP/VPP layout) with the weights of the
     Hugging Face Llama directory ``hf_dir``, one parameter at a time; returns its config.json dict.
 
-    Every parameter of the chunks is written; a missing tensor or a shape that does not fit the model
+    Every parameter of the chunks is written but those ``skip(name)`` names (a method's own, e.g. LESS's
+    kernels, which a Llama does not have); a missing tensor or a shape that does not fit the model
     config is a one-line CheckpointError naming the tensor.
     """
     hf = read_hf_config(hf_dir)
@@ -247,6 +249,8 @@ def load_hf_into_model(hf_dir: str, chunks: list, cfg: Any) -> dict:
     rank = parallel_state.get_tensor_model_parallel_rank()
     for chunk in chunks:
         for _, global_name, param in local_parameters(chunk):
+            if skip(global_name):
+                continue
             full = full_tensor(weights, global_name, _full_shape(global_name, param.shape, tp), cfg, tied)
             param.copy_(tp_shard(global_name, full, tp, rank).to(param.dtype))
             del full

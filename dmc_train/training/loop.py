@@ -84,9 +84,11 @@ class Trainer:
                                                                 self.scheduler, self.method)
         elif cfg.checkpoint.init_from:
             if hf_loading.is_hf_dir(cfg.checkpoint.init_from):  # a Hugging Face Llama directory
-                hf_loading.load_hf_into_model(cfg.checkpoint.init_from, [m.module for m in self.model], cfg)
+                hf_loading.load_hf_into_model(cfg.checkpoint.init_from, [m.module for m in self.model], cfg,
+                                              skip=self.method.added_parameter)
             else:
-                ckpt_mod.load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg)
+                ckpt_mod.load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg,
+                                      added=self.method.added_parameter)
             self.optimizer.reload_model_params()
         self.method.attach(self)
 

@@ -17,6 +17,8 @@ at ``eps`` (1e-6, as the authors' code), so with an empty state (``H = 0``, ``z 
 - :func:`less_attention`: the whole-sequence (parallel) form for training and teacher-forced
   evaluation, given what every query sees and what was evicted before it (dense ``n x n`` per head).
 - :func:`eviction_masks`: those two masks from an eviction policy's log (when each entry left).
+- :func:`phi_q`, :func:`phi_k`: the learned kernels, one MLP per head with the heads' weights batched
+  (``dmc_train/models/less/kernels.py`` holds them as parameters; the inference cache as tensors).
 
 Layouts: ``q [b, H, n, d]``, ``k [b, H_kv, n, d]``, ``v [b, H_kv, n, d_v]``, ``phi_q [b, H, n, r]``,
 ``phi_k [b, H_kv, n, r]``, masks ``[b, H_kv, n, n]`` (query t, entry j); GQA: query head h reads KV head
@@ -26,8 +28,28 @@ Layouts: ``q [b, H, n, d]``, ``k [b, H_kv, n, d]``, ``v [b, H_kv, n, d_v]``, ``p
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 EPS = 1e-6
+
+
+def _mlp(x, w1, b1, w2, b2, dropout: float = 0.0, training: bool = False):
+    """``s(s(x W1 + b1) W2 + b2)`` per head: ``x [b, h, n, d]``, ``w1 [h, d, e]``, ``b1 [h, e]``, ``w2 [h, e, r]``."""
+    hidden = F.gelu(torch.einsum("bhnd,hde->bhne", x, w1) + b1[:, None])
+    hidden = F.dropout(hidden, dropout, training)
+    return F.gelu(torch.einsum("bhne,her->bhnr", hidden, w2) + b2[:, None])
+
+
+def phi_q(q: torch.Tensor, w: dict[str, torch.Tensor], dropout: float = 0.0, training: bool = False):
+    """``|s(s(q W_q1 + b_q1) W_q2 + b_q2)|``: ``q [b, H, n, d]`` -> ``[b, H, n, r]`` (fp32)."""
+    return _mlp(q.float(), w["q1"], w["q1_bias"], w["q2"], w["q2_bias"], dropout, training).abs()
+
+
+def phi_k(k: torch.Tensor, w: dict[str, torch.Tensor], dropout: float = 0.0, training: bool = False):
+    """``|k~ + (k~ W_int) * D2|`` with ``k~ = |D1| * s(s(k W_k1 + b_k1) W_k2 + b_k2)``: ``k [b, H_kv, n, d]`` ->
+    ``[b, H_kv, n, r]`` (fp32)."""
+    k_t = w["d1"].abs()[:, None] * _mlp(k.float(), w["k1"], w["k1_bias"], w["k2"], w["k2_bias"], dropout, training)
+    return (k_t + torch.einsum("bhnr,hrs->bhns", k_t, w["k_int"]) * w["d2"][:, None]).abs()
 
 
 def less_combine(sparse: torch.Tensor, lse: torch.Tensor, lin_num: torch.Tensor, lin_den: torch.Tensor,
