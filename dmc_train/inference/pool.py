@@ -137,9 +137,11 @@ class PagePool:
         page, offset = self.locate(torch.full((n,), row), torch.arange(n))
         return self.k_pages[page, offset], self.v_pages[page, offset]
 
-    def attend(self, rows: torch.Tensor, q: torch.Tensor, scale: float, scores: str | None = None):
+    def attend(self, rows: torch.Tensor, q: torch.Tensor, scale: float, scores: str | None = None,
+               return_lse: bool = False):
         """Decode attention of ``q [n, G, d]`` (one token, G query heads per row) over ``rows [n]``
         -> ``[n, G, d_v]`` (cost grows with the entries the rows hold, not with a padded maximum); with
-        ``scores`` (``"probs"`` | ``"logits"``) also the per-entry scores ``[n, L]`` summed over G."""
+        ``scores`` (``"probs"`` | ``"logits"``) also the per-entry scores ``[n, L]`` summed over G, with
+        ``return_lse`` the log-sum-exp ``[n, G]`` (:func:`kernels.paged.paged_attention`)."""
         return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale,
-                               scores=scores)
+                               scores=scores, return_lse=return_lse)

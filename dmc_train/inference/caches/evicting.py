@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from dmc_train.inference.caches.base import KVCache, TokenInfo
-from dmc_train.inference.caches.full import FullCache, causal_attention
+from dmc_train.inference.caches.full import causal_attention
 from dmc_train.inference.pool import PagePool
 from dmc_train.policies.base import Entries, Scorer, Step, choose_victims, insert
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
@@ -67,7 +67,17 @@ class EvictingCache(KVCache):
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
 
     def absorb(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Evicted pairs ``k [M, d]``, ``v [M, d_v]`` of ``rows [M]`` before they are overwritten (LESS)."""
+        """Evicted pairs before they are overwritten (LESS): ``rows [b, H_kv]`` (whole sequences: every KV head
+        of a sequence evicts alike), ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]``."""
+
+    def attend(self, layer: int, rows: torch.Tensor, q: torch.Tensor, scores: Optional[str]):
+        """Paged attention of ``q [B, H, d]`` over ``rows [B * H_kv]``: ``(out [B * H_kv, G, d_v], per-entry
+        scores [B * H_kv, L] or None)``."""
+        b, h, d = q.shape
+        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
+        if scores is None:
+            return self.pool.attend(rows, q, self.scale), None
+        return self.pool.attend(rows, q, self.scale, scores=scores)
 
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
@@ -78,11 +88,11 @@ class EvictingCache(KVCache):
         keep, fixed = prompt_keep(self.scorer, self.budget, p)
         kept = compress_prompt(self.scorer, scores, keep, fixed, h)  # [H_kv, keep] positions
         heads = torch.arange(h)[:, None].expand(-1, keep)
-        if self.wants_evicted and keep < p:
+        if self.wants_evicted and keep < p:  # every head drops p - keep entries
             dropped = torch.ones(h, p, dtype=torch.bool)
             dropped[heads, kept] = False
             hh, jj = dropped.nonzero(as_tuple=True)
-            self.absorb(layer, rows[hh], k[0, hh, jj], v[0, hh, jj])
+            self.absorb(layer, rows[None], k[0, hh, jj].view(1, h, p - keep, -1), v[0, hh, jj].view(1, h, p - keep, -1))
         self.pool.grow(rows, torch.full_like(rows, keep))
         slots = torch.arange(keep).repeat(h)
         self.pool.write(rows.repeat_interleave(keep), slots, k[0, heads, kept].reshape(h * keep, -1),
@@ -96,28 +106,31 @@ class EvictingCache(KVCache):
         return out
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
-        if not self.evicting:
-            return FullCache.decode(self, layer, seq_ids, q, k, v, info)
         b, hk = len(seq_ids), self.num_kv_heads
         rows = self.layer_rows(layer, seq_ids).flatten()
         n = len(rows)
+        k, v = k.reshape(n, -1), v.reshape(n, -1)
+        lens = self.pool.seq_lens[rows].long()
+        if not self.evicting:  # prefill schedule: decoded tokens are appended
+            self.pool.grow(rows, lens + 1)
+            self.pool.write(rows, lens, k, v)
+            return self.attend(layer, rows, q, None)[0].view(b, -1, v.shape[-1])
         t = info.positions.repeat_interleave(hk)
         step = Step(layer, torch.arange(hk).repeat(b), t, t - self.prompt_len[rows].long(),
                     self.horizon[rows].long(), hk)
         entries = Entries(self.positions[rows].long(), self.scores[rows],
                           self.codes[rows] if self.scorer.code_bits else None)
-        k, v = k.reshape(n, -1), v.reshape(n, -1)
-        lens = self.pool.seq_lens[rows].long()
         full, victim = choose_victims(self.scorer, entries, q.reshape(n, -1, q.shape[-1]).float(), step, self.budget)
         slot = torch.where(full, victim, lens)
-        if self.wants_evicted and bool(full.any()):
+        if self.wants_evicted and bool(full.any()):  # whole sequences are full (every KV head alike)
             r = full.nonzero()[:, 0]
             page, offset = self.pool.locate(rows[r], victim[r])
-            self.absorb(layer, rows[r], self.pool.k_pages[page, offset], self.pool.v_pages[page, offset])
+            self.absorb(layer, rows[r].view(-1, hk), self.pool.k_pages[page, offset].view(-1, hk, 1, k.shape[-1]),
+                        self.pool.v_pages[page, offset].view(-1, hk, 1, v.shape[-1]))
         self.pool.grow(rows, lens + (~full).long())
         self.pool.write(rows, slot, k, v)
         insert(self.scorer, entries, slot, k, t)
-        out, attention = self._attend(rows, q, self.scorer.attention)
+        out, attention = self.attend(layer, rows, q, self.scorer.attention)
         if attention is not None:
             attention = torch.nn.functional.pad(attention, (0, self.budget - attention.shape[1]))
         self.scorer.update(entries, attention, step)
@@ -125,15 +138,6 @@ class EvictingCache(KVCache):
         if entries.codes is not None:
             self.codes[rows] = entries.codes
         return out.view(b, -1, out.shape[-1])
-
-    def _attend(self, rows: torch.Tensor, q: torch.Tensor, scores: Optional[str]):
-        """Paged attention of ``q [B, H, d]`` over ``rows [B * H_kv]``: ``(out [B * H_kv, G, d_v], per-entry
-        scores [B * H_kv, L] or None)``."""
-        b, h, d = q.shape
-        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
-        if scores is None:
-            return self.pool.attend(rows, q, self.scale), None
-        return self.pool.attend(rows, q, self.scale, scores=scores)
 
     def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:
         """A page for every row below its budget whose last page is full; a full row takes none."""

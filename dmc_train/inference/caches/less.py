@@ -1,0 +1,94 @@
+"""The LESS cache: any eviction policy's fixed budget plus a constant-size low-rank state per row that
+holds every pair the policy evicts (Dong et al., 2024; the math is :mod:`kernels.less`).
+
+It is an :class:`~dmc_train.inference.caches.evicting.EvictingCache` (same budget, victims, in-place
+writes, page reservation) whose evicted pairs are folded into the state the step they are evicted,
+before the new token overwrites them (:meth:`absorb`):
+
+    H += phi_k(k)^T v,   z += phi_k(k)          per (sequence, layer, KV head) row
+
+and whose attention adds the state to the kept entries' softmax attention (Eq. 3, combined in log space
+with the paged attention's log-sum-exp): each query head reads its KV head's state through its own
+``phi_q``. The prompt is prefilled with full attention as usual; the pairs the prompt's compression drops
+enter the state at once. State per row: ``H [rank, d_v]`` and ``z [rank]`` fp32, beside the policy's.
+
+The kernels' weights come from a LESS checkpoint (:class:`LESSWeights`, loaded with the model).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dmc_train.inference.caches.evicting import EvictingCache
+from kernels.less import less_combine, phi_k, phi_q
+
+
+@dataclass
+class LESSWeights:
+    """What a LESS checkpoint adds at inference: the policy it was trained with (``policy``, ``budget`` in
+    entries, ``options``) and per layer the kernels' tensors (``layers[i]``: ``q1 [H, d, hidden]``, ...,
+    ``d2 [H_kv, rank]``, the names of :class:`~dmc_train.models.less.kernels.LESSKernels`)."""
+
+    policy: str
+    budget: int
+    options: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.layers[0]["q2"].shape[-1]
+
+    @classmethod
+    def pop_from(cls, state: dict[str, torch.Tensor], method: Any, context: int) -> "LESSWeights":
+        """Take the kernels out of a full (TP=1) megatron state dict (``decoder.layers.<i>.self_attention.less.<name>``,
+        removed from ``state``); the policy from the checkpoint's ``method`` config node."""
+        pattern = re.compile(r"decoder\.layers\.(\d+)\.self_attention\.less\.(\w+)$")
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        for name in [n for n in state if pattern.search(n)]:
+            layer, key = pattern.search(name).groups()
+            layers.setdefault(int(layer), {})[key] = state.pop(name).float()
+        budget = int(method.budget) if method.budget >= 1 else max(1, int(method.budget * context))
+        return cls(method.policy, budget, dict(method.policy_options), [layers[i] for i in sorted(layers)])
+
+
+class LESSCache(EvictingCache):
+    """An eviction policy plus LESS's state (module docstring)."""
+
+    wants_evicted = True
+
+    def __init__(self, pool, num_layers, num_kv_heads, scale, scorer, budget, context, weights: LESSWeights):
+        super().__init__(pool, num_layers, num_kv_heads, scale, scorer, budget, context)
+        self.weights, self.name = weights, "less"
+        rows, dv = pool.block_table.shape[0], pool.v_pages.shape[-1]
+        self.H = torch.zeros(rows, weights.rank, dv)
+        self.z = torch.zeros(rows, weights.rank)
+
+    def add(self, seq_id: int, max_new_tokens: int = 0) -> None:
+        super().add(seq_id, max_new_tokens)
+        rows = self.rows[seq_id].flatten()
+        self.H[rows], self.z[rows] = 0, 0
+
+    def state_bytes(self, seq_id: int) -> int:
+        return super().state_bytes(seq_id) + (self.H[0].nbytes + self.z[0].nbytes) * self.rows[seq_id].numel()
+
+    def absorb(self, layer, rows, k, v) -> None:
+        """``rows [b, H_kv]``, the evicted ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]``: into ``H`` and ``z``."""
+        features = phi_k(k, self.weights.layers[layer])  # [b, H_kv, m, rank]
+        rows = rows.flatten()
+        self.H[rows] += torch.einsum("bhmr,bhmd->bhrd", features, v.float()).flatten(0, 1)
+        self.z[rows] += features.sum(2).flatten(0, 1)
+
+    def attend(self, layer, rows, q, scores):
+        b, h, d = q.shape
+        g = h // self.num_kv_heads
+        out, *extra = self.pool.attend(rows, q.reshape(-1, g, d), self.scale, scores=scores, return_lse=True)
+        lse = extra[-1]  # [b * H_kv, G]
+        features = phi_q(q[:, :, None], self.weights.layers[layer])[:, :, 0].reshape(-1, g, self.weights.rank)
+        lin_num = features @ self.H[rows]  # [b * H_kv, G, d_v]
+        lin_den = (features * self.z[rows][:, None]).sum(-1)
+        out = less_combine(out.float(), lse, lin_num, lin_den).to(q.dtype)
+        return out, (extra[0] if scores is not None else None)
