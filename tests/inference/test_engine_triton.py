@@ -24,3 +24,21 @@ def test_engine_generates_the_same_tokens_with_the_triton_kernels(make_model, va
         backend.set_backend("auto")
     assert [o.tokens for o in got] == [o.tokens for o in want]
     assert [o.entries for o in got] == [o.entries for o in want]
+
+
+@pytest.mark.parametrize("cache", ["h2o", "keyformer"])
+def test_eviction_policies_generate_the_same_tokens_with_the_triton_kernels(make_model, cache):
+    """The paged decode kernel's per-entry probabilities / logits drive the same evictions as the PyTorch path."""
+    from dmc_train.inference.engine import Engine
+    from dmc_train.inference.sampling import SamplingParams
+
+    prompts = [list(range(3, 27)), [2, 7]]
+    params = SamplingParams(max_new_tokens=8)
+    want = Engine(make_model("full"), cache=cache, budget=16).generate(prompts, params)
+    backend.set_backend("triton")
+    try:
+        got = Engine(make_model("full"), cache=cache, budget=16).generate(prompts, params)
+    finally:
+        backend.set_backend("auto")
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    assert [o.entries for o in got] == [o.entries for o in want]
