@@ -33,7 +33,9 @@ def evaluate_checkpoint(cfg: Any) -> dict:
 
     With ``eval.cache=<policy>`` (an eviction policy of ``dmc_train.policies``) the perplexity is that of
     decoding every sequence token by token at ``eval.budget`` (teacher-forced with the policy's parallel
-    form, :func:`evaluate_with_policy`) and the file is ``eval_<policy>_<budget>.json``.
+    form, :func:`evaluate_with_policy`) and the file is ``eval_<policy>_<budget>.json``. With
+    ``eval.cache=lightcache`` (options in ``eval.options``; ``eval.budget`` unused) the budget in the file
+    name is LightCache's window.
 
     Returns ``{"checkpoint", "step", "<split>_loss", "<split>_ppl", "<split>_unigram_ppl"}`` and the
     method's evaluation metrics per split (DMC: ``<split>_achieved_cr``, per layer and per head).
@@ -79,13 +81,19 @@ def evaluate_with_policy(cfg: Any, ckpt: str, meta: dict) -> dict:
     e = cfg.eval
     model, _ = LlamaForInference.from_checkpoint(ckpt)
     s = model.shape
-    options = {"budget": e.budget, "schedule": e.schedule, **dict(e.options)}
-    scorer = build_scorer(e.cache, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
     if model.dmc is not None:
         raise CheckpointError(f"eval.cache={e.cache} is an eviction policy for vanilla and GQA checkpoints; {ckpt} "
                               f"is a DMC model (evaluate it with eval.cache=model)")
-    budget = scorer.cfg.budget_entries(s.max_positions)
-    scorer.check_budget(budget)
+    if e.cache == "lightcache":  # not an eviction scorer: its own parallel form, its window as the budget
+        from dmc_train.inference.caches.lightcache import lightcache_for
+
+        scorer = lightcache_for(model, dict(e.options))
+        budget = scorer.settings.window
+    else:
+        options = {"budget": e.budget, "schedule": e.schedule, **dict(e.options)}
+        scorer = build_scorer(e.cache, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
+        budget = scorer.cfg.budget_entries(s.max_positions)
+        scorer.check_budget(budget)
     _, valid_data, test_data = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
     result = {"checkpoint": ckpt, "step": meta["step"], "cache": e.cache, "budget": budget,
               "schedule": e.schedule, "prompt_len": e.prompt_len}

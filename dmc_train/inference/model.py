@@ -9,6 +9,11 @@ training model's on the same checkpoint (vanilla, and DMC with hard decisions).
     logits = model.forward(tokens)                           # [b, n] -> [b, n, V], no cache (teacher-forced)
     logits = model.prefill(cache, seq_id, prompt)            # [n] -> [n, V], writes the cache
     logits = model.decode(cache, seq_ids, tokens, positions) # [B], [B] -> [B, V], one token per sequence
+    logits = model.forward_with_attention(tokens, attend)    # [b, n] -> [b, n, V], any attention per layer
+
+A cache (or attention) that numbers positions itself (LightCache: RoPE at window positions,
+``rope_in_cache``) receives q and k before RoPE with ``info.rotate``, and then has no length limit; a
+cache with ``prefill_chunk`` receives a prompt in chunks of that many tokens (continuation prefills).
 
 Per layer: RMSNorm -> fused q/k/v projection -> (DMC: decisions from the pre-RoPE decision channel,
 which is then zeroed) -> RoPE (rotate-half, as megatron-core and HF; for DMC ``rope_order=pre`` the
@@ -109,6 +114,10 @@ class LlamaForInference:
                 raise InferenceError(f"weight {name} is missing from the model's weights")
             return weights[name].to(dtype)
 
+        biases = sorted(n for n in weights if n.endswith("_proj.bias"))
+        if biases:  # never silently ignored (LightCache's key subspace also assumes k = h W_k^T)
+            raise InferenceError(f"weight {biases[0]}: the inference model is Llama without biases (attention_bias "
+                                 f"and mlp_bias false); this checkpoint cannot run here")
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
         self.final_norm = w("model.norm.weight")
@@ -172,13 +181,14 @@ class LlamaForInference:
         return alpha, decisions.importance(q_dec, st.init_offset, st.omega_eps)
 
     # -- forward ----------------------------------------------------------------------------------
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor],
+             raw_qk: bool = False) -> torch.Tensor:
         """Logits ``[b, n, V]`` of ``tokens [b, n]`` at ``positions [b, n]``; ``attend(layer, q, k, v, info)``
-        returns ``[b, H, n, d_v]``."""
+        returns ``[b, H, n, d_v]``; ``raw_qk``: q and k reach it before RoPE, with ``info.rotate``."""
         with without_cpu_compat_mode():  # no megatron code runs here
-            return self._layers(tokens, positions, attend)
+            return self._layers(tokens, positions, attend, raw_qk)
 
-    def _layers(self, tokens, positions, attend) -> torch.Tensor:
+    def _layers(self, tokens, positions, attend, raw_qk: bool = False) -> torch.Tensor:
         s = self.shape
         b, n = tokens.shape
         d = s.head_dim
@@ -192,8 +202,10 @@ class LlamaForInference:
                 info.alpha, info.omega = self._decisions(q, k, positions)
             if self.keep is not None:  # zeroed before RoPE (as training) and in q after (channel unused)
                 q, k = q * self.keep, k * self.keep
-            q = rope(q, positions[:, None], s.rope_base)
-            if self.rotate_in_cache:  # DMC rope_order=pre: the cache rotates the accumulated keys
+            if not raw_qk:
+                q = rope(q, positions[:, None], s.rope_base)
+            if self.rotate_in_cache or raw_qk:  # DMC rope_order=pre: the cache rotates the accumulated keys;
+                # raw_qk (LightCache): q too, at the positions the cache gives them
                 info.rotate = functools.partial(rope, base=s.rope_base)
             else:
                 k = rope(k, positions[:, None], s.rope_base)
@@ -225,10 +237,13 @@ class LlamaForInference:
         computes when the first ``prompt_len`` tokens are the prompt and the rest are decoded one by one
         with ``budget`` entries per (sequence, layer, KV head) (the policy's parallel form,
         :func:`~dmc_train.policies.parallel.run_policy`). ``runs``: a list that receives each layer's
-        :class:`PolicyRun` (what every query saw and when each entry was evicted)."""
-        self.check_tokens(tokens)
+        :class:`PolicyRun` (what every query saw and when each entry was evicted). A policy with its own
+        parallel form (``parallel_attention``: LightCache) runs that instead; ``budget`` is then unused."""
         if self.dmc is not None:
             raise InferenceError(f"the {scorer.name!r} policy runs on vanilla and GQA models, not on DMC ones")
+        if hasattr(scorer, "parallel_attention"):  # a policy with its own parallel form on raw q, k (LightCache)
+            return self.forward_with_attention(tokens, scorer.parallel_attention, raw_qk=True)
+        self.check_tokens(tokens)
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
 
         def attend(layer, q, k, v, info):
@@ -240,12 +255,26 @@ class LlamaForInference:
         return self._run(tokens, positions, attend)
 
     @torch.no_grad()
+    def forward_with_attention(self, tokens: torch.Tensor, attend: Callable[..., torch.Tensor],
+                               raw_qk: bool = False) -> torch.Tensor:
+        """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` with each layer's attention given by
+        ``attend(layer, q [b, H, n, d], k [b, H_kv, n, d], v, info) -> [b, H, n, d_v]``. ``raw_qk``: q and k
+        arrive before RoPE and ``info.rotate(x, positions)`` applies it (an attention that numbers positions
+        itself); the sequence may then be longer than the model's positions."""
+        self.check_tokens(tokens, bounded=not raw_qk)
+        return self._run(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attend, raw_qk)
+
+    @torch.no_grad()
     def prefill(self, cache: KVCache, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Write the prompt ``tokens [n]`` of a new sequence into ``cache`` in one pass; logits ``[n, V]``."""
-        self.check_tokens(tokens[None])
+        """Write the prompt ``tokens [n]`` of a new sequence into ``cache`` in one pass (or in chunks of
+        ``cache.prefill_chunk``); logits ``[n, V]``."""
+        raw = getattr(cache, "rope_in_cache", False)
+        self.check_tokens(tokens[None], bounded=not raw)
         self.check_cache_type(cache)
-        return self._run(tokens[None], torch.arange(len(tokens))[None],
-                         lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info))[0]
+        chunk = getattr(cache, "prefill_chunk", None) or len(tokens)
+        return torch.cat([self._run(tokens[None, i: i + chunk], torch.arange(i, min(i + chunk, len(tokens)))[None],
+                                    lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info), raw)[0]
+                          for i in range(0, len(tokens), chunk)])
 
     @torch.no_grad()
     def decode(self, cache: KVCache, seq_ids: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -257,14 +286,16 @@ class LlamaForInference:
             info = TokenInfo(info.positions[:, 0], alpha, omega, rotate=info.rotate)
             return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
 
-        return self._run(tokens[:, None], positions[:, None], attend)[:, 0]
+        return self._run(tokens[:, None], positions[:, None], attend, getattr(cache, "rope_in_cache", False))[:, 0]
 
     # -- checks -----------------------------------------------------------------------------------
-    def check_tokens(self, tokens: torch.Tensor) -> None:
+    def check_tokens(self, tokens: torch.Tensor, bounded: bool = True) -> None:
+        """One-line errors for an empty sequence, ids outside the vocabulary, and (``bounded``) more tokens
+        than the model's positions."""
         n = tokens.shape[-1]
         if n == 0:
             raise InferenceError("the prompt is empty: give at least one token")
-        if n > self.shape.max_positions:
+        if bounded and n > self.shape.max_positions:
             raise InferenceError(f"the prompt has {n} tokens, more than the model's {self.shape.max_positions} "
                                  f"positions (model.max_position_embeddings); shorten it")
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.shape.vocab_size:

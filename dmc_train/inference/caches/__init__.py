@@ -5,6 +5,8 @@ the one registry that picks them by name (:data:`CACHES`, :func:`build_cache`).
     dmc        Dynamic Memory Compression, Algorithm 1 (DMC and Fixed Memory Pooling checkpoints)
     <policy>   a fixed budget kept by an eviction policy of ``dmc_train/policies`` (h2o, tova,
                streaming_llm, keyformer, lsh_e, knorm): one evicting cache (``evicting.py``) for all
+    lightcache every token kept, older ones compressed in the feature dimension, a selected window
+               attended at its own positions (``lightcache.py``; vanilla and GQA checkpoints)
 
 A model declares the cache it needs (``LlamaForInference.default_cache``: ``dmc`` for DMC
 checkpoints, else ``full``); ``cache="auto"`` takes it. An entry's ``build(pool, model, options)``
@@ -21,6 +23,7 @@ from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.caches.dmc import DMCCache, teacher_forced_dmc
 from dmc_train.inference.caches.evicting import EvictingCache
 from dmc_train.inference.caches.full import FullCache, causal_attention
+from dmc_train.inference.caches.lightcache import PagedLightCache
 from dmc_train.policies import POLICIES, build_scorer
 
 
@@ -59,7 +62,8 @@ def _policy(name: str) -> Callable[..., KVCache]:
 
 
 CACHES: dict[str, CacheEntry] = {"full": CacheEntry(_full, False), "dmc": CacheEntry(_dmc, True),
-                                 **{name: CacheEntry(_policy(name), False) for name in POLICIES}}
+                                 **{name: CacheEntry(_policy(name), False) for name in POLICIES},
+                                 "lightcache": CacheEntry(PagedLightCache.build, False)}
 
 
 def check_cache(name: str, model: Any) -> None:
@@ -85,5 +89,5 @@ def build_cache(name: str, pool, model: Any, options: dict[str, Any]) -> KVCache
         raise InferenceError(str(e)) from None
 
 
-__all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "TokenInfo", "build_cache",
-           "causal_attention", "check_cache", "teacher_forced_dmc"]
+__all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "PagedLightCache", "TokenInfo",
+           "build_cache", "causal_attention", "check_cache", "teacher_forced_dmc"]

@@ -1,0 +1,251 @@
+"""LightCache in the engine (the rule: ``dmc_train/policies/lightcache.py``): per (sequence, layer, KV head)
+the global and local tokens at full width, every older token compressed, on the page pool.
+
+**Two widths, one pool.** Each (sequence, layer, KV head) has two page lists, both from the engine's
+one :class:`~dmc_train.inference.pool.PagePool` (one free list, one byte budget, one reservation rule):
+
+- its ordinary pool row (block table, ``seq_lens``): full-width entries, pre-RoPE. Slots ``0 .. g-1``
+  hold the global tokens; slots ``g .. g+l-1`` are a ring for the local ones (token ``u >= g`` at slot
+  ``g + (u - g) % l``), so the row never holds more than ``g + l`` entries;
+- a list of **packed pages** (:class:`PackedPages`): compressed entries ``[k P_k | v P_v]`` of width
+  ``w = r_k + r_v``. A pool page is a K page ``[page_size, d]`` and a V page ``[page_size, d_v]``;
+  packed, the K page holds ``page_size * d // w`` entries and the V page ``page_size * d_v // w``, so a
+  compressed token costs ``w`` elements (plus at most one part-filled page per row), not ``d + d_v``.
+
+A token is written once at full width and, when it leaves the local window, once compressed (read
+from its ring slot, projected, appended to the packed pages; the ring slot then takes the new token):
+no re-packing. Keys stay before RoPE; the model hands q and k un-rotated (``rope_in_cache``) and the
+rule rotates each query's window at its own positions. A prompt arrives in chunks of ``chunk`` tokens
+(``prefill_chunk``), each a continuation of the sequence, so neither the attention nor the model's
+activations grow with the prompt, and a prompt may be longer than the model's positions.
+
+``entries(seq)``: tokens held per (layer, KV head) (compressed ones included: LightCache drops none);
+``bytes_held(seq)``: both kinds of pages, the per-row state, and the projections (counted for every
+sequence, as the paper's compression ratio counts them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dmc_train.errors import InferenceError, OutOfPages
+from dmc_train.inference.caches.base import KVCache, TokenInfo
+from dmc_train.inference.pool import PagePool
+from dmc_train.policies.lightcache import Context, LightCache, compress, window_attention
+
+
+def lightcache_for(model: Any, options: dict[str, Any]) -> LightCache:
+    """LightCache (settings, projections from the weights) for a :class:`LlamaForInference`."""
+    s = model.shape
+    if model.dmc is not None:
+        raise InferenceError("the 'lightcache' cache runs on vanilla and GQA checkpoints; this one is a DMC model, "
+                             "which compresses with its own cache: use cache='dmc' (or auto)")
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    k_weights = [p["qkv"][q: q + kv] for p in model.layers]
+    v_weights = [p["qkv"][q + kv: q + 2 * kv] for p in model.layers]
+    return LightCache.from_weights(options, k_weights, v_weights, s.num_kv_heads, s.max_positions, model.scale,
+                                   model.dtype)
+
+
+class PackedPages:
+    """Compressed entries of width ``w`` packed into pages of ``pool``, one page list per row
+    (``table [rows, pages]`` int32, -1 = none, widened on demand; ``lens [rows]`` entries held)."""
+
+    def __init__(self, pool: PagePool, width: int):
+        ps, d, dv = pool.page_size, pool.k_pages.shape[-1], pool.v_pages.shape[-1]
+        n = pool.num_pages
+        self.pool, self.width = pool, width
+        self.in_k, in_v = ps * d // width, ps * dv // width
+        self.per_page = self.in_k + in_v
+        self.k = pool.k_pages.view(n, ps * d)[:, : self.in_k * width].view(n, self.in_k, width)
+        self.v = pool.v_pages.view(n, ps * dv)[:, : in_v * width].view(n, in_v, width)
+        rows = pool.block_table.shape[0]
+        self.table = torch.full((rows, 1), -1, dtype=torch.int32)
+        self.lens = torch.zeros(rows, dtype=torch.long)
+
+    def pages_for(self, lens: torch.Tensor) -> torch.Tensor:
+        return (lens + self.per_page - 1) // self.per_page
+
+    def pages_needed(self, rows: torch.Tensor, new_lens: torch.Tensor) -> int:
+        return int((self.pages_for(new_lens) - self.pages_for(self.lens[rows])).sum())
+
+    def extend(self, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
+        """Give ``rows [n]`` room for ``new_lens [n]`` (>= current) entries, taking pool pages."""
+        have, need = self.pages_for(self.lens[rows]), self.pages_for(new_lens)
+        pool = self.pool
+        if int((need - have).sum()) > len(pool.free_pages):
+            raise OutOfPages(f"out of KV pages: {int((need - have).sum())} needed, {len(pool.free_pages)} free of "
+                             f"{pool.num_pages}")
+        if need.numel() and int(need.max()) > self.table.shape[1]:
+            wider = torch.full((self.table.shape[0], max(2 * self.table.shape[1], int(need.max()))), -1,
+                               dtype=torch.int32)
+            wider[:, : self.table.shape[1]] = self.table
+            self.table = wider
+        for r, a, b in zip(rows.tolist(), have.tolist(), need.tolist()):
+            if b > a:
+                self.table[r, a:b] = torch.tensor([pool.free_pages.pop() for _ in range(b - a)], dtype=torch.int32)
+        pool.peak_pages = max(pool.peak_pages, pool.used_pages)
+        self.lens[rows] = new_lens
+
+    def free(self, rows: torch.Tensor) -> None:
+        for r, used in zip(rows.tolist(), self.pages_for(self.lens[rows]).tolist()):
+            self.pool.free_pages.extend(self.table[r, :used].tolist())
+        self.table[rows] = -1
+        self.lens[rows] = 0
+
+    def _where(self, rows: torch.Tensor, index: torch.Tensor):
+        page = self.table[rows.view(-1, *([1] * (index.dim() - 1))), index // self.per_page].long()
+        slot = index % self.per_page
+        return page, slot, slot < self.in_k
+
+    def write(self, rows: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
+        """Store ``x [n, w]`` as entry ``index [n]`` of ``rows [n]`` (already extended)."""
+        page, slot, in_k = self._where(rows, index)
+        self.k[page[in_k], slot[in_k]] = x[in_k].to(self.k.dtype)
+        self.v[page[~in_k], slot[~in_k] - self.in_k] = x[~in_k].to(self.v.dtype)
+
+    def read(self, rows: torch.Tensor, index: torch.Tensor, cols: slice) -> torch.Tensor:
+        """Entries ``index [N, ...]`` of ``rows [N]``, channels ``cols`` -> ``[N, ..., len(cols)]`` (entries past a
+        row's length are garbage: callers mask them)."""
+        page, slot, in_k = self._where(rows, index)
+        k = self.k[:, :, cols][page, slot.clamp(max=self.in_k - 1)]
+        v = self.v[:, :, cols][page, (slot - self.in_k).clamp(min=0)]
+        return torch.where(in_k[..., None], k, v)
+
+
+class PagedLightCache(KVCache):
+    """LightCache over the page pool (module docstring)."""
+
+    name = "lightcache"
+    rope_in_cache = True  # the model passes q and k before RoPE, and sequences may outgrow its positions
+
+    def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, lightcache: LightCache):
+        super().__init__(pool, num_layers, num_kv_heads, lightcache.scale)
+        s = lightcache.settings
+        self.lightcache, self.settings, self.note = lightcache, s, s.note
+        self.prefill_chunk = s.chunk
+        if s.global_ + s.local > pool.max_pages_per_row * pool.page_size:
+            raise InferenceError(f"lightcache global + local = {s.global_ + s.local} exceeds a pool row "
+                                 f"({pool.max_pages_per_row * pool.page_size} entries); lower local")
+        self.packed = PackedPages(pool, s.r_k + s.r_v)
+
+    @classmethod
+    def build(cls, pool: PagePool, model: Any, options: dict[str, Any]) -> "PagedLightCache":
+        return cls(pool, model.shape.num_layers, model.shape.num_kv_heads, lightcache_for(model, options))
+
+    # -- sequences --------------------------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        if seq_id in self.rows:
+            self.packed.free(self.rows[seq_id].flatten())
+        super().release(seq_id)
+
+    # -- the model's calls ------------------------------------------------------------------------
+    def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
+        rows, hk = self.rows[seq_id][layer], self.num_kv_heads
+        out = self._block(layer, rows, torch.arange(hk), q[0].reshape(hk, -1, *q.shape[2:]), k[0], v[0], info)
+        return out.reshape(1, -1, *out.shape[2:])
+
+    def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
+        b, h, d = q.shape
+        hk = self.num_kv_heads
+        rows = self.layer_rows(layer, seq_ids).flatten()
+        out = self._block(layer, rows, torch.arange(hk).repeat(b), q.reshape(b * hk, h // hk, 1, d),
+                          k.reshape(b * hk, 1, d), v.reshape(b * hk, 1, -1), info)
+        return out.view(b, h, -1)
+
+    def _block(self, layer, rows, heads, q, k, v, info: TokenInfo) -> torch.Tensor:
+        """``T`` new tokens per row: ``rows [N]`` (KV heads ``heads [N]``), ``q [N, G, T, d]``, ``k [N, T, d]``,
+        ``v [N, T, d_v]`` before RoPE -> ``[N, G, T, d_v]``. Reads what the rows hold, attends, then writes."""
+        s, pool, packed = self.settings, self.pool, self.packed
+        glob, loc, t = s.global_, s.local, k.shape[1]
+        held, c0 = pool.seq_lens[rows].long(), packed.lens[rows]
+        t0 = held + c0  # tokens already in each row
+        c1 = (t0 + t - glob - loc).clamp(min=0)  # compressed once the block is in
+        new_held = (t0 + t).clamp(max=glob + loc)
+        needed = pool.pages_needed(rows, new_held) + packed.pages_needed(rows, c1)
+        if needed > len(pool.free_pages):
+            raise OutOfPages(f"out of KV pages: {needed} needed, {len(pool.free_pages)} free of {pool.num_pages}")
+        pk, pv = self.lightcache.projections.rows(layer, heads)
+        ctx = self._context(rows, t0, k, v)
+        # tokens leaving the local window in this block: compressed once, appended to the packed pages
+        fresh = int((c1 - c0).max())
+        if fresh:
+            j = torch.arange(fresh)
+            ok = j < (c1 - c0)[:, None]
+            entry = torch.cat([compress(ctx.k[:, glob: glob + fresh], pk), compress(ctx.v[:, glob: glob + fresh], pv)],
+                              dim=-1)
+            packed.extend(rows, c1)
+            r = rows[:, None].expand(-1, fresh)
+            packed.write(r[ok], (c0[:, None] + j)[ok], entry[ok])
+        every = torch.arange(int(c1.max()) if len(c1) else 0).expand(len(rows), -1)
+        ctx.kc = packed.read(rows, every, slice(0, s.r_k))
+        ctx.values = lambda index: packed.read(rows, index, slice(s.r_k, s.r_k + s.r_v))
+        out = window_attention(q, t0, ctx, pk, pv, s, info.rotate, self.scale)
+        self._store(rows, t0, new_held, k, v)
+        return out
+
+    def _context(self, rows, t0, k, v) -> Context:
+        """The full-width tokens the block may see: the row's global and ring entries, then the new ones."""
+        glob, loc = self.settings.global_, self.settings.local
+        pool = self.pool
+        n, t = k.shape[:2]
+        recent_start = (t0 - loc).clamp(min=glob)
+        slot = torch.arange(glob + loc)  # context slots holding old tokens: position, then pool slot
+        position = torch.where(slot < glob, slot, recent_start[:, None] + slot - glob)
+        old = position < torch.where(slot < glob, t0.clamp(max=glob)[:, None], t0[:, None])
+        pool_slot = torch.where(position < glob, position, glob + (position - glob) % loc)
+        page, offset = pool.locate(rows[:, None], pool_slot.masked_fill(~old, 0))  # pages of -1: masked below
+        ctx_k = torch.zeros(n, glob + loc + t, k.shape[-1], dtype=k.dtype)
+        ctx_v = torch.zeros(n, glob + loc + t, v.shape[-1], dtype=v.dtype)
+        ctx_k[:, : glob + loc] = torch.where(old[..., None], pool.k_pages[page, offset], 0)
+        ctx_v[:, : glob + loc] = torch.where(old[..., None], pool.v_pages[page, offset], 0)
+        new = t0[:, None] + torch.arange(t)  # [N, T]
+        at = torch.where(new < glob, new, glob + new - recent_start[:, None])
+        r = torch.arange(n)[:, None]
+        ctx_k[r, at], ctx_v[r, at] = k, v
+        return Context(ctx_k, ctx_v, recent_start, None, None)
+
+    def _store(self, rows, t0, new_held, k, v) -> None:
+        """Write the new tokens that end the block in the global part or the local ring."""
+        s, pool = self.settings, self.pool
+        glob, loc = s.global_, s.local
+        t = k.shape[1]
+        u = t0[:, None] + torch.arange(t)  # [N, T]
+        keep = (u < glob) | (u >= t0[:, None] + t - loc)
+        slot = torch.where(u < glob, u, glob + (u - glob) % loc)
+        pool.grow(rows, new_held)
+        r = rows[:, None].expand(-1, t)
+        pool.write(r[keep], slot[keep], k[keep], v[keep])
+
+    def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:
+        """A page for a row whose full-width part grows past a page, or whose packed pages are full."""
+        rows = self.batch_rows(seq_ids).flatten(1)  # [B, layers * H_kv]
+        held = self.pool.seq_lens[rows].long()
+        ring_full = held >= self.settings.global_ + self.settings.local
+        grow = ~ring_full & (held % self.pool.page_size == 0)
+        packed = ring_full & (self.packed.lens[rows] % self.packed.per_page == 0)
+        return (grow | packed).sum(1).tolist()
+
+    # -- what is held -----------------------------------------------------------------------------
+    def entries(self, seq_id: int) -> torch.Tensor:
+        """Tokens held per (layer, KV head), compressed ones included: ``[layers, H_kv]``."""
+        rows = self.rows[seq_id]
+        return self.pool.seq_lens[rows].long() + self.packed.lens[rows]
+
+    def state_bytes(self, seq_id: int) -> int:
+        return self.packed.lens[0].nbytes * self.rows[seq_id].numel()
+
+    def bytes_held(self, seq_id: int) -> dict[str, int]:
+        """``pages`` (full-width and packed), ``entries`` (the part of them in use), ``state``, ``projections``
+        (the model's, counted for every sequence) and ``total``."""
+        pool, packed = self.pool, self.packed
+        rows = self.rows[seq_id].flatten()
+        compressed = packed.lens[rows]
+        pages = (pool.pages_of(rows) + int(packed.pages_for(compressed).sum())) * pool.page_bytes
+        used = (int(pool.seq_lens[rows].long().sum()) * (pool.page_bytes // pool.page_size)
+                + int(compressed.sum()) * packed.width * pool.k_pages.element_size())
+        state, projections = self.state_bytes(seq_id), self.lightcache.projections.nbytes
+        return {"pages": pages, "entries": used, "state": state, "projections": projections,
+                "total": pages + state + projections}
