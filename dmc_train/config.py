@@ -138,6 +138,7 @@ class Config:
     # One structured config per method, chosen with the Hydra group ``method`` (``method=dmc``);
     # the nodes live with the methods (dmc_train/methods/configs.py).
     method: Any = MISSING
+    array_task_id: Optional[int] = None  # the task of a job array (launch/submit.py --array sets it)
 
 
 _CHOICES = {
@@ -151,6 +152,7 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
     """Check values Hydra's type check cannot (all but the method's own node, which
     :func:`dmc_train.methods.validate_method` checks); raise ConfigError (one line) on the first
     problem. Returns the parallel layout on ``world_size`` processes."""
+    check_known_keys(cfg)
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -188,6 +190,41 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
     return layout
+
+
+def check_known_keys(cfg: Any) -> None:
+    """Refuse a key the schema does not define: Hydra's ``+key=value`` adds one to a structured config (and a
+    recipe may), and it would be ignored and saved in config.yaml. Raises ConfigError naming the closest
+    known key. Nodes typed by a dataclass (the schema, the method's node) are checked; free-form ones not."""
+    import dataclasses
+    import difflib
+
+    from omegaconf import DictConfig
+
+    unknown, known = [], []
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        node_type = OmegaConf.get_type(node)
+        fields = {f.name for f in dataclasses.fields(node_type)} if dataclasses.is_dataclass(node_type) else None
+        for key, value in node.items_ex(resolve=False):
+            path = f"{prefix}{key}"
+            if fields is not None and key not in fields:
+                while isinstance(value, DictConfig) and len(value):  # name the key as typed: +foo.bar=1
+                    inner, value = next(iter(value.items_ex(resolve=False)))
+                    path = f"{path}.{inner}"
+                unknown.append(path)
+                continue
+            known.append(path)
+            if isinstance(value, DictConfig):
+                walk(value, path + ".")
+
+    walk(cfg, "")
+    if unknown:
+        key = unknown[0]
+        closest = difflib.get_close_matches(key, known, n=1, cutoff=0.0)
+        raise ConfigError(f"{key} is not a key of the config schema"
+                          + (f"; the closest known key is {closest[0]}" if closest else "")
+                          + " (check the spelling; +key=value adds keys, key=value sets existing ones)")
 
 
 _MIN_VALUES = {
