@@ -45,7 +45,7 @@ class OutOfPages(InferenceError):
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many consecutive non-finite steps; the last good state was checkpointed (exit code 3)."""
+    """Too many consecutive non-finite steps; nothing is saved after a non-finite loss (exit code 3)."""
 
 
 def one_line(exc: BaseException) -> str:

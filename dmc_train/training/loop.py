@@ -150,6 +150,18 @@ class Trainer:
                                         self.step, self.consumed, extra)
 
 
+def diverged_message(cfg: Any, step: int, bad_in_row: int) -> str:
+    """The one line for a streak of non-finite steps. The weights at this point produced those losses (an
+    update before the streak can have blown them up), so they are not saved; the message names the
+    newest checkpoint (no save happens during a streak, so it was saved at a step with a finite loss)."""
+    newest = ckpt_mod.newest_complete(ckpt_mod.checkpoint_root(cfg))
+    saved = (f"the newest checkpoint is {newest}, saved before the streak (checkpoint.resume=auto continues "
+             f"from it)" if newest else "no checkpoint was saved before the streak")
+    return (f"training stopped at step {step}: {bad_in_row} consecutive steps with a non-finite loss or gradient; "
+            f"the current weights produced them and are not saved; {saved}; lower optim.lr, check the data, "
+            f"or raise train.max_nonfinite_steps")
+
+
 def startup_seconds() -> float:
     """Seconds since this process started (imports, process group, model, optimizer, checkpoint load)."""
     import psutil
@@ -189,7 +201,15 @@ def _train(cfg: Any, method: Optional[Method], preemption: PreemptionHandler) ->
     stop_at = trainer.total_steps
     if cfg.train.max_steps_per_job is not None:
         stop_at = min(stop_at, trainer.step + cfg.train.max_steps_per_job)
-    bad_in_row, preempted = 0, False
+    bad_in_row, preempted, save_due = 0, False, False
+
+    def save() -> Optional[str]:
+        """Save, unless the current weights produced a non-finite loss (then the newest checkpoint stays)."""
+        if bad_in_row:
+            log.info(f"step {trainer.step}: no checkpoint: the current weights produced a non-finite loss or gradient")
+            return last_ckpt
+        return trainer.save()
+
     try:
         while trainer.step < stop_at:
             metrics = trainer.train_step()
@@ -198,11 +218,7 @@ def _train(cfg: Any, method: Optional[Method], preemption: PreemptionHandler) ->
                 log.info(f"step {trainer.step}: non-finite loss or gradient, update skipped "
                          f"({bad_in_row} in a row, limit {cfg.train.max_nonfinite_steps})")
             if bad_in_row >= cfg.train.max_nonfinite_steps:
-                last_good = trainer.save()
-                raise TrainingDiverged(
-                    f"training stopped at step {trainer.step}: {bad_in_row} consecutive steps with a non-finite "
-                    f"loss or gradient; the last good weights are saved in {last_good}; lower optim.lr, "
-                    f"check the data, or raise train.max_nonfinite_steps")
+                raise TrainingDiverged(diverged_message(cfg, trainer.step, bad_in_row))
             if cfg.train.eval_interval and trainer.step % cfg.train.eval_interval == 0:
                 t_eval = time.perf_counter()
                 metrics["val_loss"] = trainer.evaluate()["lm_loss"]
@@ -216,12 +232,14 @@ def _train(cfg: Any, method: Optional[Method], preemption: PreemptionHandler) ->
             if preemption.should_stop():  # a collective: every rank asks after every step
                 preempted = True
                 break
-            if save_every and trainer.step % save_every == 0:
+            save_due = save_due or bool(save_every and trainer.step % save_every == 0)
+            if save_due and not bad_in_row:  # a save due during a non-finite streak waits for a finite step
                 t_save = time.perf_counter()
-                last_ckpt = trainer.save()
+                last_ckpt, save_due = trainer.save(), False
                 not_training += time.perf_counter() - t_save
-        if preempted or (cfg.checkpoint.save_at_end and history and (not save_every or trainer.step % save_every)):
-            last_ckpt = trainer.save()
+        if preempted or (cfg.checkpoint.save_at_end and history
+                         and (save_due or not save_every or trainer.step % save_every)):
+            last_ckpt = save()
         if preempted:
             requeued = preemption.requeue()
             log.info(f"stopped by {preemption.agreed.name if preemption.agreed else 'a signal'} after step "
