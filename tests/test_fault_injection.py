@@ -1,11 +1,14 @@
-"""Fault injection, table-driven: bad config, corrupt checkpoints, bad data, a full or read-only disk.
+"""Fault injection, table-driven: bad config, corrupt checkpoints, bad data, a full or read-only disk,
+divergence.
 
 Each case copies a finished base run (``iter_0000002``, ``iter_0000004``, ``latest``, ``metrics.jsonl``),
 breaks something (``prep``), runs ``launch/pretrain.py`` with the case's overrides and checks the
-outcome: a rejected run prints exactly one ``error:`` line (no traceback, exit code 2) and leaves the run
-directory byte-for-byte as it was (a fresh run directory is not even created); a run that goes ahead
-leaves every existing checkpoint byte-for-byte untouched. All single-process cases run in one process
-(tests/scripts/fault_cases.py); torchrun cases are launched separately.
+outcome: a rejected run prints exactly one ``error:`` line (no traceback, exit code 2, or 3 for
+divergence) and leaves the run directory byte-for-byte as it was (a fresh run directory is not even
+created); a run that goes ahead leaves every existing checkpoint byte-for-byte untouched (one it set
+aside, ``iter_N.damaged-*`` or ``iter_N.replaced-*``, under its new name; only ``keep_last`` may prune
+one of the run's own). All single-process cases run in one process (tests/scripts/fault_cases.py);
+torchrun cases are launched separately.
 """
 
 import hashlib
@@ -69,6 +72,19 @@ def drop_meta_key(key: str) -> Callable:
         with open(path, "w") as f:
             json.dump(meta, f)
     return prep
+
+
+def remove_meta_4(run_dir):
+    """iter_0000004 loses its completeness marker after it was written (the shards are intact)."""
+    os.remove(os.path.join(run_dir, CKPT4, "meta.json"))
+
+
+def with_set_aside_and_newer(run_dir):
+    """Beside the run's checkpoints: a directory an earlier run set aside and a complete iter_0000010 (as a
+    run resumed from an older checkpoint leaves newer ones behind)."""
+    ckpts = os.path.join(run_dir, "checkpoints")
+    shutil.copytree(os.path.join(ckpts, "iter_0000002"), os.path.join(ckpts, "iter_0000005.damaged-20250101-000000"))
+    shutil.copytree(os.path.join(ckpts, "iter_0000004"), os.path.join(ckpts, "iter_0000010"))
 
 
 def killed_after_step_4(run_dir):
@@ -162,6 +178,8 @@ class Case:
     trains: bool = False  # an error case that trains before failing: only the checkpoints are unchanged
     max_file_bytes: Optional[int] = None  # RLIMIT_FSIZE while the case runs (SIGXFSZ ignored)
     check: Optional[Callable] = None  # more assertions: check(run_dir, result)
+    code: int = 2  # the exit code of an error case (3: diverged)
+    pruned: list = field(default_factory=list)  # existing checkpoints checkpoint.keep_last may delete
 
 
 def newer_checkpoints_kept(names):
@@ -180,6 +198,32 @@ def lr_applied(run_dir, result):
     assert rows[5]["lr"] == pytest.approx(0.0055)
     with open(os.path.join(run_dir, "config.yaml")) as f:
         assert "lr: 0.01\n" in f.read()
+
+
+def set_aside(result, name: str) -> list[str]:
+    """The names ``iter_N.<why>-<time>`` under which the run set ``name`` aside."""
+    return sorted({k.split("/")[1] for k in result["after"] if k.startswith(f"checkpoints/{name}.")})
+
+
+def damaged_set_aside(run_dir, result):
+    assert [n.split("-")[0] for n in set_aside(result, "iter_0000004")] == ["iter_0000004.damaged"]
+    assert "is missing or invalid" not in result["stdout"]  # latest is not blamed: it names the damaged one
+    names = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    assert [n.split("-")[0] for n in names] == ["iter_0000002", "iter_0000004", "iter_0000004.damaged", "iter_0000006",
+                                                "latest"], names
+    with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+        assert f.read() == "iter_0000006"
+
+
+def nothing_saved_after_divergence(run_dir, result):
+    assert {k for k in result["after"] if k.startswith("checkpoints/")} == \
+        {k for k in result["before"] if k.startswith("checkpoints/")}
+
+
+def replaced_and_spared(run_dir, result):
+    names = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    assert [n.split("-")[0] for n in names] == ["iter_0000004.replaced", "iter_0000005.damaged", "iter_0000006",
+                                                "iter_0000010", "latest"], names
 
 
 def no_partial_write(run_dir, result):  # as left by the failed save (the next case resumes in run_dir)
@@ -212,6 +256,8 @@ CASES = [
          error=UNREADABLE),
     Case("metadata_truncated", truncate(f"{CKPT4}/.metadata", 50), ["train.max_steps=6"], error=UNREADABLE),
     Case("shard_truncated", truncate(f"{CKPT4}/__0_0.distcp", 100), ["train.max_steps=6"], error=UNREADABLE),
+    Case("unknown_key", unchanged, ["+foo.bar=1"],
+         error=["config error: foo.bar is not a key of the config schema; the closest known key is"]),
     Case("latest_binary_garbage_explicit", write("checkpoints/latest", b"\xff\xfe\x00garbage"),
          ["checkpoint.resume={run_dir}"],
          error=["checkpoint pointer {run_dir}/checkpoints/latest is invalid",
@@ -244,6 +290,23 @@ CASES = [
                  "resumed from {run_dir}/checkpoints/iter_0000004 at step 4"], steps=[1, 2, 3, 4, 5, 6]),
     Case("killed_before_checkpoint", killed_after_step_4, ["train.max_steps=5"], output=["at step 2"],
          steps=[1, 2, 3, 4, 5]),
+    # a damaged checkpoint is set aside, never saved over; the run falls back to the newest complete one
+    Case("meta_json_removed", remove_meta_4, ["train.max_steps=6"],
+         output=["checkpoint iter_0000004 is damaged: its meta.json is missing ({run_dir}/checkpoints/iter_0000004/"
+                 "meta.json); it is kept as checkpoints/iter_0000004.damaged-", "resuming from iter_0000002",
+                 "resumed from {run_dir}/checkpoints/iter_0000002 at step 2"],
+         steps=[1, 2, 3, 4, 5, 6], check=damaged_set_aside),
+    # keep_last prunes the run's own checkpoints up to the one saved: never a set-aside or a newer one;
+    # a complete checkpoint of an earlier run at a step the run saves again is set aside, not replaced
+    Case("keep_last_and_resave", with_set_aside_and_newer,
+         ["train.max_steps=6", "checkpoint.keep_last=1", "checkpoint.resume={run_dir}/checkpoints/iter_0000002"],
+         output=["checkpoint iter_0000004 of an earlier run is kept as checkpoints/iter_0000004.replaced-"],
+         pruned=["iter_0000002"], check=replaced_and_spared),
+    # real divergence: nothing is saved after a non-finite loss, and the message says so
+    Case("diverged", unchanged, ["train.max_steps=12", "optim.lr=1e10"], code=3, trains=True,
+         error=["training stopped at step 10: 5 consecutive steps with a non-finite loss or gradient; the current "
+                "weights produced them and are not saved; the newest checkpoint is "
+                "{run_dir}/checkpoints/iter_0000004, saved before the streak"], check=nothing_saved_after_divergence),
     Case("lr_changed_on_resume", unchanged, ["train.max_steps=6", "optim.lr=0.01"],
          output=["optimizer settings differ from checkpoint iter_0000004 (optim.lr: 0.001 -> 0.01)",
                  "the new values apply from its step 4 on"], steps=[1, 2, 3, 4, 5, 6], check=lr_applied),
@@ -273,6 +336,16 @@ def results(work):
         return json.load(f)
 
 
+def where_now(result, key: str) -> Optional[str]:
+    """The digest of the file ``key`` after the run: under the name its checkpoint was set aside as, if it was."""
+    parts = key.split("/")
+    aside = set_aside(result, parts[1]) if len(parts) > 1 else []
+    if aside:
+        assert len(aside) == 1, aside
+        key = "/".join([parts[0], aside[0], *parts[2:]])
+    return result["after"].get(key)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fault(results, case):
     r = results[case.id]
@@ -283,7 +356,7 @@ def test_fault(results, case):
     assert "Traceback" not in r["stderr"], r["stderr"][-3000:]
     if case.error is not None:
         errors = [line for line in r["stderr"].splitlines() if line.startswith("error: ")]
-        assert r["code"] == 2 and len(errors) == 1, (r["code"], r["stderr"][-3000:])
+        assert r["code"] == case.code and len(errors) == 1, (r["code"], r["stderr"][-3000:])
         for fragment in fill:
             assert fragment in errors[0], errors[0]
         if not case.trains:
@@ -292,8 +365,9 @@ def test_fault(results, case):
         assert r["code"] == 0, r["stderr"][-3000:]
         for fragment in fill:
             assert fragment in r["stdout"] + r["stderr"]
-    kept = {k: v for k, v in (r["before"] or {}).items() if k.startswith("checkpoints/iter_")}
-    assert {k: r["after"][k] for k in kept} == kept, "an existing checkpoint changed"
+    kept = {k: v for k, v in (r["before"] or {}).items()
+            if k.startswith("checkpoints/iter_") and k.split("/")[1] not in case.pruned}
+    assert {k: where_now(r, k) for k in kept} == kept, "an existing checkpoint changed"
     if case.steps is not None:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             assert [json.loads(line)["step"] for line in f] == case.steps

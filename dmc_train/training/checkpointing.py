@@ -5,10 +5,19 @@ Layout of ``<run_dir>/checkpoints/``::
     iter_0000100/          a complete checkpoint: dist_checkpointing files + meta.json + config.yaml
     iter_0000200.tmp/      a write in progress (or one that crashed): never read
     latest                 the name of the newest complete checkpoint (replaced atomically)
+    iter_0000300.damaged-20250101-120000/   set aside by a run: it had lost its meta.json
+    iter_0000400.replaced-20250101-120000/  set aside by a run that saved the same step again
 
 A save writes into ``iter_N.tmp``, then rank 0 writes ``meta.json``, renames the directory to
 ``iter_N`` and only then replaces ``latest``; a crash at any point leaves the previous ``latest``
 complete and loadable. ``meta.json`` is the completeness marker.
+
+A run never deletes or overwrites a checkpoint directory it did not write: an ``iter_N`` without
+``meta.json`` (damaged after it was written: a save renames only complete directories) that the run
+would otherwise save over is renamed ``iter_N.damaged-<time>`` when the run starts, a complete
+``iter_N`` of an earlier run is renamed ``iter_N.replaced-<time>`` before the run saves step N, and
+``checkpoint.keep_last`` prunes only complete checkpoints up to the one just saved. Names with a dot
+are never read, resumed from or pruned.
 
 What is stored: model weights (reshardable to any TP/PP layout), optimizer state, LR scheduler,
 step, consumed samples, RNG states (restored only for the same layout), method state, the
@@ -23,7 +32,9 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -76,18 +87,49 @@ def read_latest(root: str) -> Optional[str]:
 
 def _pointer_target(root: str) -> Optional[str]:
     """The name in ``root/latest`` if it is a complete checkpoint directly inside ``root``, else None."""
-    try:
-        with open(os.path.join(root, LATEST), "rb") as f:
-            name = f.read(4096).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if os.path.basename(name) != name or not _is_complete(root, name):
+    name = _pointer_name(root)
+    if name is None or os.path.basename(name) != name or not _is_complete(root, name):
         return None
     return name
 
 
 def _is_complete(root: str, name: str) -> bool:
     return name.startswith("iter_") and "." not in name and os.path.isfile(os.path.join(root, name, META))
+
+
+_ITER = re.compile(r"iter_(\d+)")
+_WRITTEN: set[str] = set()  # the checkpoint directories this process saved (rank 0): its own to replace
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a checkpoint directory name ``iter_N`` (None for any other name, e.g. ``iter_N.tmp``)."""
+    m = _ITER.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def damaged_checkpoints(root: str) -> list[tuple[str, str]]:
+    """``(name, what is wrong)`` of each ``iter_N`` directory in ``root`` that is not complete, oldest first.
+    A save renames a directory to ``iter_N`` only once its ``meta.json`` is written, so such a directory
+    was damaged afterwards (a file deleted or lost); its other files may still be intact."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in sorted(os.listdir(root)):
+        if step_of(name) is not None and os.path.isdir(os.path.join(root, name)) and not _is_complete(root, name):
+            found.append((name, f"its {META} is missing"))
+    return found
+
+
+def set_aside(root: str, name: str, why: str) -> str:
+    """Rename ``root/name`` to ``root/<name>.<why>-<time>`` (never read, resumed from or pruned); return the
+    new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    new, n = f"{name}.{why}-{stamp}", 1
+    while os.path.exists(os.path.join(root, new)):
+        n += 1
+        new = f"{name}.{why}-{stamp}-{n}"
+    os.rename(os.path.join(root, name), os.path.join(root, new))
+    return new
 
 
 def complete_checkpoints(root: str) -> list[str]:
@@ -157,22 +199,26 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
     resume = cfg.checkpoint.resume
     root = checkpoint_root(cfg)
     own = newest_complete(root)
+    damaged = damaged_checkpoints(root)
     if resume == "none":
         if own is not None:
             raise CheckpointError(
                 f"run_dir {cfg.run_dir} already holds checkpoints (newest {os.path.basename(own)}) that "
                 f"checkpoint.resume=none would overwrite; use checkpoint.resume=auto to continue, another "
                 f"run_name / run_dir to start over, or delete {root}")
+        _set_aside_damaged(root, damaged, None, log)
         return None
     if resume == "auto":
         ckpt = own
         if ckpt is None:
+            _set_aside_damaged(root, damaged, None, log)
             return None
         pointer = _pointer_target(root)
-        if pointer is None:
+        named = _pointer_name(root)
+        if pointer is None and named not in {name for name, _ in damaged}:  # a damaged target is reported below
             log(f"checkpoints/{LATEST} is missing or invalid; resuming from the newest complete checkpoint "
                 f"{os.path.basename(ckpt)}")
-        elif pointer != os.path.basename(ckpt):
+        elif pointer is not None and pointer != os.path.basename(ckpt):
             log(f"checkpoints/{LATEST} names {pointer}, but {os.path.basename(ckpt)} is newer and complete (a save "
                 f"stopped before the pointer was replaced); resuming from {os.path.basename(ckpt)}")
     else:
@@ -197,7 +243,34 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
     if differ:
         log(f"optimizer settings differ from checkpoint {os.path.basename(ckpt)} ({'; '.join(differ)}); the new "
             f"values apply from its step {meta['step']} on")
+    start = meta["step"] if cfg.checkpoint.load_optimizer else 0
+    _set_aside_damaged(root, damaged, (os.path.basename(ckpt), start), log)
     return ckpt, meta
+
+
+def _pointer_name(root: str) -> Optional[str]:
+    """The text of ``root/latest`` (None if unreadable), whatever it names."""
+    try:
+        with open(os.path.join(root, LATEST), "rb") as f:
+            return f.read(4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _set_aside_damaged(root: str, damaged: list[tuple[str, str]], start: Optional[tuple[str, int]],
+                       log: Callable[[str], None]) -> None:
+    """Rank 0: rename each damaged ``iter_N`` the run would save over (N after ``start``, the checkpoint and
+    step it starts from; None: a fresh start) to ``iter_N.damaged-<time>``, with one ``log`` line each."""
+    first = start[1] if start else 0
+    for name, problem in damaged:
+        if step_of(name) <= first:
+            continue  # behind the run: never saved over, left as it is
+        if is_rank0():
+            aside = set_aside(root, name, "damaged")
+            log(f"checkpoint {name} is damaged: {problem} ({os.path.join(root, name, META)}); it is kept as "
+                f"checkpoints/{aside} (its other files untouched) and never resumed from; "
+                + (f"resuming from {start[0]}, the newest complete checkpoint" if start
+                   else "no complete checkpoint is left: starting from step 0"))
 
 
 def check_model_shape(ckpt: str, meta: dict, cfg: Any) -> None:
@@ -306,12 +379,17 @@ def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, co
         if is_rank0():
             meta = _meta(cfg, step, consumed, cfg.parallel.distributed_optimizer, extra_meta)
             method.write_artifacts(tmp, meta)
+            if os.path.exists(final) and final not in _WRITTEN:  # another run's (e.g. one resumed from older)
+                aside = set_aside(root, os.path.basename(final), "replaced")
+                print(f"checkpoint {os.path.basename(final)} of an earlier run is kept as checkpoints/{aside}; "
+                      f"this run saves its own step {step}", flush=True)
             _publish(cfg, tmp, final, meta)
+            _WRITTEN.add(final)
             pointer = os.path.join(root, LATEST + ".tmp")
             with open(pointer, "w") as f:
                 f.write(os.path.basename(final))
             os.replace(pointer, os.path.join(root, LATEST))
-            _prune(root, cfg.checkpoint.keep_last)
+            _prune(root, cfg.checkpoint.keep_last, step)
         failure = None
     except READ_ERRORS as e:
         failure = _save_failure(root, final, e, state)
@@ -431,11 +509,14 @@ def replace_dir(tmp: str, final: str) -> None:
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 
-def _prune(root: str, keep_last: int) -> None:
+def _prune(root: str, keep_last: int, saved_step: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints up to ``saved_step`` (the one just saved).
+    Newer ones (kept by a run resumed from an older checkpoint), ``*.tmp`` writes and directories set
+    aside (``*.damaged-*``, ``*.replaced-*``) are never deleted."""
     if keep_last <= 0:
         return
-    complete = complete_checkpoints(root)
-    for name in complete[:-keep_last]:
+    complete = [n for n in complete_checkpoints(root) if step_of(n) is not None and step_of(n) <= saved_step]
+    for name in sorted(complete, key=step_of)[:-keep_last]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
