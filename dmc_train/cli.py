@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable
@@ -101,8 +102,16 @@ def check_before_hydra(cfg: Any) -> None:
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank:  # see OTHER_RANKS_WAIT_S: torchrun stops this rank here if rank 0 reported the same error
+        stop_handler = getattr(signal.signal(signal.SIGTERM, signal.SIG_DFL), "__self__", None)
+        if signal.SIGTERM in getattr(stop_handler, "seen", ()):  # torchrun's SIGTERM came already, recorded
+            _exit(code)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # from now on it ends this rank at once
         time.sleep(OTHER_RANKS_WAIT_S)
     print(f"error: {message}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # At once: the process group's teardown at exit can wait for the other ranks. Helper processes
         # (megatron's checkpoint writer) would outlive an os._exit, holding the job's output open.

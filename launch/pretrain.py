@@ -10,6 +10,7 @@ Config: <recipes>/config.yaml + <recipes>/recipe/<name>.yaml + command-line over
 """
 
 from dmc_train import cli
+from dmc_train.training.preemption import catch_early  # light: torch is imported later
 
 
 def train_app(cfg) -> None:
@@ -18,7 +19,7 @@ def train_app(cfg) -> None:
 
     def run():
         summary = train(cfg)
-        if distributed.is_rank0():
+        if distributed.is_rank0() and not summary.get("stopped_at_startup"):
             print(f"done: {summary['steps']} steps; checkpoint {summary['checkpoint']}", flush=True)
 
     cli.run_reporting_errors(run)
@@ -26,6 +27,7 @@ def train_app(cfg) -> None:
 
 
 def main() -> None:
+    catch_early()  # first: a stop signal during the imports, config checks and model build is kept (docs/CLUSTER.md)
     cli.hydra_main(train_app, lock_run_dir=True)
 
 

@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import signal
+import threading
 
 import pytest
 
@@ -49,6 +50,37 @@ def test_sigterm_stops_without_requeue(slurm_env):
         assert not slurm_env.exists()
         assert handler.requeue(force=True) is True
     assert slurm_env.read_text().split() == ["requeue", "4242"]
+
+
+def test_signal_held_since_start_up_reaches_the_handler(slurm_env):
+    """Started with SIGUSR1 blocked (as the node wrapper starts the ranks): one sent before any handler exists
+    stays pending and is delivered when the handler is installed (it unblocks)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:  # pending (to this thread: pytest's other threads do not block it, a rank's have it blocked from birth)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # its default action would end the process
+        with PreemptionHandler() as handler:
+            assert handler.received == signal.SIGUSR1 and handler.should_stop() and handler.requeue_requested
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def test_trainer_handler_takes_over_what_the_early_one_recorded(slurm_env):
+    """catch_early()'s handler (the entry point's first line) records; the trainer's handler adopts that once,
+    and hands the signals back to it when training ends."""
+    early = PreemptionHandler().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. during the imports
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert early.received == signal.SIGTERM
+        with PreemptionHandler() as trainer:
+            assert trainer.received == signal.SIGTERM and trainer.should_stop() and trainer.requeue_requested
+            assert early.received is None  # taken over: a later start in this process does not see it again
+        assert signal.getsignal(signal.SIGTERM) == early._on_signal
+        with PreemptionHandler() as again:
+            assert not again.should_stop()
+    finally:
+        early.uninstall()
 
 
 def test_requeue_needs_slurm(slurm_env, monkeypatch):

@@ -1,6 +1,7 @@
 """Stop signals as a cluster delivers them, table-driven: SIGUSR1 and SIGTERM sent to every process, to
 the task's process group, to the torchrun agent alone or to one rank alone, under plain torchrun and
-under the Slurm node wrapper (launch/slurm/torchrun_node.sh), and to a single process.
+under the Slurm node wrapper (launch/slurm/torchrun_node.sh), and to a single process; after a step or at
+a moment of start-up.
 
 The cases of one layout form a chain in one run directory: each launch resumes from the checkpoint the
 previous case's signal left, trains to its case's step, where the test-only method of
@@ -9,8 +10,13 @@ whatever the machine's speed), and gets the signal. Each case checks: the launch
 docs/CLUSTER.md, "What survives what"), a complete checkpoint at exactly that step, the requeue (SIGUSR1
 only), no traceback from any rank, and every checkpoint and metrics row written before byte-for-byte
 untouched. The last launch runs to the end, and the chain's losses must equal an uninterrupted run's
-exactly. The first case of each chain comes before any checkpoint exists; the single process's first
-signal arrives during start-up (the model built, no step run yet).
+exactly. The first case of each chain comes before any checkpoint exists.
+
+A start-up case delivers its signal at a moment of start-up instead (``Case.moment``): the wrapper has
+just started (torchrun not yet), torchrun runs but has no ranks yet, the ranks have just been started,
+the ranks' handler is in place (their imports still running), or the trainer is built (held, before its
+first step). The run must stop before its first step, write nothing (nothing new to save: every file
+of the run directory byte-for-byte unchanged, ``latest`` too) and requeue after SIGUSR1.
 """
 
 import hashlib
@@ -42,8 +48,12 @@ class Case:
     sig: signal.Signals
     to: str  # "all" processes | the launcher's process "group" | the torchrun "agent" | "rank" 1 | "process"
     exit_code: int  # of the launched command (torchrun exits 1 after it forwarded a signal itself)
-    at: int  # the step after which the signal arrives (0: during start-up: the run stops after step 1)
+    at: int = 0  # the step after which the signal arrives (0: a start-up case, see moment)
     env: Optional[dict] = None
+    # start-up cases: "wrapper" (its traps set, torchrun not started), "agent" (torchrun running, no ranks
+    # yet), "ranks" (the ranks just started), "handler" (the targets' and ranks' handlers installed),
+    # "built" (the trainer built, held before its first step)
+    moment: Optional[str] = None
 
     @property
     def requeue(self) -> bool:
@@ -51,17 +61,25 @@ class Case:
 
 
 TWO_RANKS = [  # the first case comes before the first checkpoint
+    Case("usr1-group-wrapper-startup", "wrapper", signal.SIGUSR1, "group", 0, moment="wrapper"),
     Case("usr1-all-wrapper", "wrapper", signal.SIGUSR1, "all", 0, at=2),  # Slurm --signal, proctrack/cgroup
+    Case("term-all-wrapper-startup", "wrapper", signal.SIGTERM, "all", 0, moment="agent"),
     Case("term-agent", "torchrun", signal.SIGTERM, "agent", 1, at=4),
+    Case("usr1-all-wrapper-startup", "wrapper", signal.SIGUSR1, "all", 0, moment="ranks"),
     Case("usr1-rank", "torchrun", signal.SIGUSR1, "rank", 0, at=6),
-    Case("term-all-wrapper", "wrapper", signal.SIGTERM, "all", 1, at=8),  # scancel / time limit, proctrack/cgroup
+    Case("usr1-rank-startup", "torchrun", signal.SIGUSR1, "rank", 0, moment="handler"),
+    Case("term-all-wrapper", "wrapper", signal.SIGTERM, "all", 0, at=8),  # scancel / time limit, proctrack/cgroup
+    Case("term-agent-startup", "torchrun", signal.SIGTERM, "agent", 1, moment="handler"),
     Case("usr1-agent", "torchrun", signal.SIGUSR1, "agent", 1, at=10, env=FORWARD_USR1),
+    Case("usr1-agent-startup", "torchrun", signal.SIGUSR1, "agent", 1, env=FORWARD_USR1, moment="built"),
     Case("term-rank-wrapper", "wrapper", signal.SIGTERM, "rank", 0, at=12),
+    Case("term-rank-wrapper-startup", "wrapper", signal.SIGTERM, "rank", 0, moment="built"),
     Case("usr1-group-wrapper", "wrapper", signal.SIGUSR1, "group", 0, at=14),  # Slurm --signal, proctrack/pgid
 ]
 ONE_PROCESS = [
-    Case("term-startup", "process", signal.SIGTERM, "process", 0, at=0),
+    Case("term-process-startup", "process", signal.SIGTERM, "process", 0, moment="handler"),
     Case("usr1-process", "process", signal.SIGUSR1, "process", 0, at=3),
+    Case("term-process-startup-built", "process", signal.SIGTERM, "process", 0, moment="built"),
 ]
 
 
@@ -97,42 +115,93 @@ def snapshot(run_dir) -> dict[str, str]:
     return found
 
 
+def everything(run_dir) -> dict[str, str]:
+    """sha256 of every file under ``run_dir`` (``latest``, metrics, config.yaml included); {} if none."""
+    found = {}
+    for root, _, files in os.walk(run_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, run_dir)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return found
+
+
 def losses(run_dir) -> dict[int, float]:
     with open(run_dir / "metrics.jsonl") as f:
         return {r["step"]: r["lm_loss"] for r in map(json.loads, f)}
 
 
-def targets(case: Case, proc: subprocess.Popen) -> list[psutil.Process]:
+def caught(pid: int) -> set[int]:
+    """The signals process ``pid`` has a handler for (empty once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+    except (OSError, StopIteration):
+        return set()
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+def processes(case: Case, proc: subprocess.Popen) -> tuple[psutil.Process, Optional[psutil.Process], list]:
+    """(the launched process, the torchrun agent or None, the ranks started so far)."""
     top = psutil.Process(proc.pid)
     if case.launcher == "process":
-        return [top]
-    agent = top.children()[0] if case.launcher == "wrapper" else top
-    ranks = sorted(agent.children(), key=lambda p: p.pid)
-    assert len(ranks) == 2, ranks
-    rank1 = next(p for p in ranks if p.environ().get("RANK") == "1")
-    return {"all": [top, agent, *ranks] if top != agent else [agent, *ranks], "agent": [agent],
-            "rank": [rank1]}[case.to]
+        return top, None, []
+    agent = top if case.launcher == "torchrun" else None
+    for kid in top.children() if case.launcher == "wrapper" else []:  # the starter that execs torchrun (same
+        try:                                                         # PID), once it has
+            cmdline = kid.cmdline()
+        except psutil.Error:
+            continue
+        if any(a.endswith("torchrun") for a in cmdline[1:2]):
+            agent = kid
+    ranks = sorted(agent.children(), key=lambda p: p.pid) if agent else []
+    return top, agent, ranks
 
 
-def run_case(case: Case, run_dir, tmp_path, holds: list[int], nranks: int):
-    """Launch, wait until every rank holds at ``case.at``, deliver the case's signal, wait for the end."""
-    hold_dir = tmp_path / "hold"
+def reached(case: Case, proc: subprocess.Popen) -> bool:
+    """Whether start-up has reached ``case.moment`` (every process the moment names exists, as it says)."""
+    top, agent, ranks = processes(case, proc)
+    if case.moment == "wrapper":
+        return {signal.SIGUSR1, signal.SIGTERM} <= caught(top.pid)
+    if case.moment == "agent":
+        return agent is not None and not ranks
+    if case.launcher == "process":
+        return case.sig in caught(top.pid)
+    if case.moment == "ranks":
+        return len(ranks) == 2
+    return len(ranks) == 2 and all(case.sig in caught(p.pid) for p in ranks)  # "handler"
+
+
+def targets(case: Case, proc: subprocess.Popen) -> list[psutil.Process]:
+    top, agent, ranks = processes(case, proc)
+    if case.to == "rank":
+        return [next(p for p in ranks if p.environ().get("RANK") == "1")]
+    return {"all": [p for p in dict.fromkeys([top, agent, *ranks]) if p is not None], "agent": [agent],
+            "process": [top]}[case.to]
+
+
+def run_case(case: Case, run_dir, tmp_path, nranks: int):
+    """Launch, wait until every rank holds at ``case.at`` (or start-up has reached ``case.moment``), deliver
+    the case's signal, wait for the end."""
+    hold_dir = tmp_path / "hold" / case.id
+    held = case.at or (0 if case.moment == "built" else None)
     log = tmp_path / f"{case.id}.log"
-    args = [*TINY, f"run_dir={run_dir}", f"method.at=[{','.join(map(str, holds))}]", f"method.dir={hold_dir}"]
+    args = [*TINY, f"run_dir={run_dir}", f"method.at=[{'' if held is None else held}]", f"method.dir={hold_dir}"]
     with open(log, "w") as out:
         proc = subprocess.Popen(command(case.launcher, args), cwd=ROOT, env=environment(tmp_path, case.env),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        ready = [hold_dir / f"ready.{case.at}.{r}" for r in range(nranks)]
+        ready = [hold_dir / f"ready.{held}.{r}" for r in range(nranks)]
         deadline = time.monotonic() + 600
-        while not all(p.exists() for p in ready):
+        while not (all(p.exists() for p in ready) if held is not None else reached(case, proc)):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
-            time.sleep(0.05)
+            time.sleep(0.002)
+        sent_to = [] if case.to == "group" else targets(case, proc)
+        if case.moment in ("wrapper", "agent"):  # still before the ranks (torchrun imports for a second or more)
+            assert not processes(case, proc)[2], f"case {case.id}: the ranks started before the signal"
         if case.to == "group":
             os.killpg(proc.pid, case.sig)
-        else:
-            for p in targets(case, proc):
-                p.send_signal(case.sig)
+        for p in sent_to:
+            p.send_signal(case.sig)
         code = proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
@@ -146,19 +215,24 @@ def run_chain(cases: list[Case], tmp_path, nranks: int):
     ref_proc = subprocess.run(command(launcher, [*TINY, f"run_dir={ref}"]), cwd=ROOT, env=environment(tmp_path),
                               capture_output=True, text=True, timeout=900)
     assert ref_proc.returncode == 0, ref_proc.stderr[-5000:]
-    holds = [case.at for case in cases]
     requeues, step = 0, 0
     for case in cases:
-        step = case.at or step + 1  # where the run stops
+        step = case.at or step  # where the run stops (a start-up case: where the previous one did)
         before = snapshot(run_dir) if run_dir.exists() else {}
-        rows_before = (run_dir / "metrics.jsonl").read_bytes() if run_dir.exists() else b""
-        code, out = run_case(case, run_dir, tmp_path, holds, nranks)
+        files_before = everything(run_dir)
+        rows_before = (run_dir / "metrics.jsonl").read_bytes() if (run_dir / "metrics.jsonl").exists() else b""
+        code, out = run_case(case, run_dir, tmp_path, nranks)
         where = f"case {case.id}: exit {code}\n{out[-6000:]}"
         assert code == case.exit_code, where
-        assert max(losses(run_dir)) == step, where
-        assert (run_dir / "checkpoints" / "latest").read_text() == f"iter_{step:07d}", where
-        assert (run_dir / "checkpoints" / f"iter_{step:07d}" / "meta.json").exists(), where
-        assert f"stopped by {case.sig.name} after step {step}" in out, where
+        if case.moment:  # stopped before its first step: nothing written, latest untouched
+            assert f"stopped by {case.sig.name} during start-up, before the first step: nothing new to save" in out, \
+                where
+            assert everything(run_dir) == files_before, where
+        else:
+            assert max(losses(run_dir)) == step, where
+            assert (run_dir / "checkpoints" / "latest").read_text() == f"iter_{step:07d}", where
+            assert (run_dir / "checkpoints" / f"iter_{step:07d}" / "meta.json").exists(), where
+            assert f"stopped by {case.sig.name} after step {step}" in out, where
         tracebacks = out.count("Traceback (most recent call last)")
         assert tracebacks == (1 if case.exit_code else 0), where  # torchrun's own SignalException only
         if case.exit_code:
@@ -168,7 +242,8 @@ def run_chain(cases: list[Case], tmp_path, nranks: int):
         assert calls == ["requeue 4242"] * requeues, where
         after = snapshot(run_dir)
         assert {k: after.get(k) for k in before} == before, where  # earlier checkpoints untouched
-        assert (run_dir / "metrics.jsonl").read_bytes().startswith(rows_before), where
+        if not case.moment:
+            assert (run_dir / "metrics.jsonl").read_bytes().startswith(rows_before), where
     done = subprocess.run(command(launcher, [*TINY, f"run_dir={run_dir}"]), cwd=ROOT, env=environment(tmp_path),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-5000:]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from helpers import free_port
 
@@ -200,10 +201,13 @@ def test_cli_exit_code_and_one_line(tmp_path, fakes):
     assert "Submitted batch job 123" in proc.stdout and len(calls(fakes / "sbatch")) == 1
 
 
+# like a trainer rank: a handler, then the signal unblocked (the node wrapper starts torchrun, and so the
+# ranks, with it blocked; one that came earlier is delivered now)
 WORKER = """
 import os, signal, sys, time
 got = []
 signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 open(sys.argv[1] + ".ready", "w").close()
 deadline = time.time() + 20
 while not got and time.time() < deadline:
@@ -211,34 +215,49 @@ while not got and time.time() < deadline:
 open(sys.argv[1], "w").write("got SIGUSR1" if got else "timeout")
 """
 
-# like torchrun: starts the rank in its own session, waits for it, no SIGUSR1 handler of its own
+# like torchrun: starts the rank in its own session (after a while: its imports and rendezvous), waits for
+# it, no SIGUSR1 handler of its own
 FAKE_TORCHRUN = """
-import subprocess, sys
+import os, subprocess, sys, time
+time.sleep(float(os.environ.get("FAKE_TORCHRUN_DELAY", "0")))
 rank = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]], start_new_session=True)
 sys.exit(rank.wait())
 """
 
 
-def test_node_wrapper_hands_sigusr1_to_the_ranks(tmp_path):
+def torchrun_without_rank(wrapper) -> bool:
+    """Whether the wrapper has started torchrun, which has not started its rank yet."""
+    try:
+        agents = [p for p in psutil.Process(wrapper.pid).children() if "torchrun" in " ".join(p.cmdline())]
+        return bool(agents) and not agents[0].children()
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("moment", ["rank_ready", "before_the_rank"])
+def test_node_wrapper_hands_sigusr1_to_the_ranks(tmp_path, moment):
     """Slurm signalling the task's process group (or just the wrapper) must reach the ranks and
-    must not kill torchrun."""
+    must not kill torchrun, also when it comes before torchrun has started them (the wrapper keeps it)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (tmp_path / "worker.py").write_text(WORKER)
     (bin_dir / "torchrun").write_text(f"#!{sys.executable}\n" + FAKE_TORCHRUN)
     (bin_dir / "torchrun").chmod(0o755)
     result = tmp_path / "rank0"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "FAKE_TORCHRUN_DELAY": "1" if moment == "before_the_rank" else "0"}
     # exactly as the job runs it: the wrapper's text with bash -c
     wrapper = subprocess.Popen(["bash", "-c", slurm.read_node_wrapper(), "torchrun_node.sh",
                                 str(tmp_path / "worker.py"), str(result)],
                                cwd=tmp_path, env=env, start_new_session=True)
     try:
         deadline = time.time() + 30
-        while not (tmp_path / "rank0.ready").exists():
+        while not ((tmp_path / "rank0.ready").exists() if moment == "rank_ready" else torchrun_without_rank(wrapper)):
             assert time.time() < deadline and wrapper.poll() is None
             time.sleep(0.02)
         os.killpg(wrapper.pid, signal.SIGUSR1)  # what proctrack/pgid does; cgroup also hits the rank
+        if moment == "before_the_rank":
+            assert not (tmp_path / "rank0.ready").exists()
         assert wrapper.wait(30) == 0  # torchrun survived and exited with the rank's status
     finally:
         if wrapper.poll() is None:

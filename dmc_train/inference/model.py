@@ -36,11 +36,13 @@ from dmc_train.config import kv_groups
 from dmc_train.distributed import without_cpu_compat_mode
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
+from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.methods.configs import DMCSettings
 from dmc_train.models.norm import rms_norm
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.dmc import decisions, rotate_half_rope
+from kernels.less import eviction_masks, less_attention, phi_k, phi_q
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -104,8 +106,8 @@ class LlamaForInference:
     """A Llama (optionally DMC) model for generation; weights in HF ``LlamaForCausalLM`` names."""
 
     def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dmc: Optional[DMCSettings] = None,
-                 dtype: torch.dtype = torch.float32):
-        self.shape, self.dmc, self.dtype = shape, dmc, dtype
+                 dtype: torch.dtype = torch.float32, less: Optional[LESSWeights] = None):
+        self.shape, self.dmc, self.dtype, self.less = shape, dmc, dtype, less
         s = shape
         self.scale = 1.0 / math.sqrt(s.head_dim)
 
@@ -140,8 +142,9 @@ class LlamaForInference:
 
     @property
     def default_cache(self) -> str:
-        """The cache this model needs unless told otherwise: ``dmc`` for DMC decisions, else ``full``."""
-        return "full" if self.dmc is None else "dmc"
+        """The cache this model needs unless told otherwise: ``dmc`` for DMC decisions, ``less`` for LESS
+        kernels, else ``full``."""
+        return "dmc" if self.dmc is not None else "less" if self.less is not None else "full"
 
     # -- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -157,12 +160,14 @@ class LlamaForInference:
         loaded = load_model(checkpoint)
         shape = ModelShape.from_config(loaded.cfg.model)
         state = {k: v for k, v in loaded.model[0].state_dict().items() if isinstance(v, torch.Tensor)}
+        dmc, less, cache = None, None, METHODS[loaded.cfg.method.name].cache  # the method declares its cache
+        if cache == "less":  # the method's own modules, beside the Llama weights
+            less = LESSWeights.pop_from(state, loaded.cfg.method, shape.max_positions)
         weights = megatron_to_hf(state, shape.num_heads, shape.num_kv_heads)
-        dmc = None
-        if METHODS[loaded.cfg.method.name].cache == "dmc":  # the method declares the cache it needs
+        if cache == "dmc":
             dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))
         torch_dtype = DTYPES[dtype or loaded.cfg.train.precision]
-        return cls(shape, weights, dmc, torch_dtype), loaded
+        return cls(shape, weights, dmc, torch_dtype, less), loaded
 
     # -- decisions --------------------------------------------------------------------------------
     def _decisions(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
@@ -232,13 +237,16 @@ class LlamaForInference:
 
     @torch.no_grad()
     def forward_with_policy(self, tokens: torch.Tensor, scorer: Scorer, budget: int, prompt_len: int = 1,
-                            horizon: Optional[int] = None, runs: Optional[list[PolicyRun]] = None) -> torch.Tensor:
+                            horizon: Optional[int] = None, runs: Optional[list[PolicyRun]] = None,
+                            less: Optional[LESSWeights] = None) -> torch.Tensor:
         """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` under an eviction policy: what the engine
         computes when the first ``prompt_len`` tokens are the prompt and the rest are decoded one by one
         with ``budget`` entries per (sequence, layer, KV head) (the policy's parallel form,
         :func:`~dmc_train.policies.parallel.run_policy`). ``runs``: a list that receives each layer's
-        :class:`PolicyRun` (what every query saw and when each entry was evicted). A policy with its own
-        parallel form (``parallel_attention``: LightCache) runs that instead; ``budget`` is then unused."""
+        :class:`PolicyRun` (what every query saw and when each entry was evicted). ``less``: LESS's kernels;
+        the evicted pairs then enter its state (:func:`kernels.less.less_attention`, the LESS cache's
+        parallel form). A policy with its own parallel form (``parallel_attention``: LightCache) runs that
+        instead; ``budget`` is then unused."""
         if self.dmc is not None:
             raise InferenceError(f"the {scorer.name!r} policy runs on vanilla and GQA models, not on DMC ones")
         if hasattr(scorer, "parallel_attention"):  # a policy with its own parallel form on raw q, k (LightCache)
@@ -250,7 +258,10 @@ class LlamaForInference:
             run = run_policy(scorer, q, k, v, budget, layer, prompt_len, horizon)
             if runs is not None:
                 runs.append(run)
-            return run.out
+            if less is None:
+                return run.out
+            w = less.layers[layer]
+            return less_attention(q, k, v, *eviction_masks(run.evicted_at), phi_q(q, w), phi_k(k, w), self.scale)
 
         return self._run(tokens, positions, attend)
 

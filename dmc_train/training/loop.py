@@ -43,18 +43,28 @@ def total_steps(cfg: Any) -> int:
     return steps
 
 
+class StoppedDuringStartup(Exception):
+    """A stop signal was agreed before the first step of this start (raised by :class:`Trainer`)."""
+
+
 class Trainer:
     """Holds the model chunks, optimizer, scheduler and data position of one run."""
 
-    def __init__(self, cfg: Any, method: Optional[Method] = None, lock_run_dir: bool = False):
+    def __init__(self, cfg: Any, method: Optional[Method] = None, lock_run_dir: bool = False,
+                 preemption: Optional[PreemptionHandler] = None):
         """``lock_run_dir``: rank 0 takes ``run_dir``'s lock (:mod:`run_lock`) before anything reads or
-        writes checkpoints; the caller releases it (``run_lock.release``)."""
+        writes checkpoints; the caller releases it (``run_lock.release``). ``preemption``: asked (on every
+        rank) once the process group is up, before any checkpoint is read or the model is built; a stop
+        raises :class:`StoppedDuringStartup`."""
         validate(cfg, distributed.read_launch_env().world_size)
         self.env = distributed.initialize(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline,
                                           cfg.train.seed, cfg.parallel.timeout_minutes)
         cfg.run_dir = distributed.broadcast_object(cfg.run_dir)  # e.g. a ${now:...} run dir: rank 0's wins
         if lock_run_dir:
             run_lock.hold(cfg.run_dir)
+        self.preemption = preemption
+        if preemption is not None and preemption.should_stop():  # a collective: every rank asks here
+            raise StoppedDuringStartup()
         self.cfg = cfg
         self.method = method or build_method(cfg)
         # before building: mismatches fail fast
@@ -174,19 +184,38 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
 
     The run directory's lock is held from before the first checkpoint is read until the end, normal
     or not. The stop signals (:class:`PreemptionHandler`: SIGUSR1/SIGUSR2/SIGTERM) are caught from the
-    start, so one that arrives while the model is built or a checkpoint loads is not fatal: the run
-    stops after its first step, with a checkpoint."""
+    start (and from the first line of the entry point with :func:`preemption.catch_early`): one that
+    arrives before the first step stops the run before it (asked once the process group is up and again
+    once the model is built): nothing new to save, so no checkpoint is written, and SIGUSR1/SIGUSR2
+    requeue the job. The summary then has ``stopped_at_startup`` set."""
     preemption = PreemptionHandler().install()
     try:
-        return _train(cfg, method, preemption)
+        try:
+            return _train(cfg, method, preemption)
+        except StoppedDuringStartup:
+            return _stopped_at_startup(cfg, preemption)
     finally:
         preemption.uninstall()
         run_lock.release(cfg.run_dir)
 
 
+def _stopped_at_startup(cfg: Any, preemption: PreemptionHandler) -> dict:
+    """Requeue (rank 0, after a requeue signal) and report a stop before the first step; nothing is written."""
+    requeued = preemption.requeue()
+    newest = ckpt_mod.newest_complete(ckpt_mod.checkpoint_root(cfg))
+    if distributed.is_rank0():
+        print(f"stopped by {preemption.agreed.name if preemption.agreed else 'a signal'} during start-up, before the "
+              f"first step: nothing new to save ("
+              + (f"newest checkpoint {newest}" if newest else "no checkpoint yet") + "); "
+              + ("job requeued" if requeued else "not requeued (" + str(preemption.requeue_error) + ")"), flush=True)
+    return {"steps": None, "history": [], "checkpoint": newest, "trainer": None, "preempted": True,
+            "stopped_at_startup": True}
+
+
 def _train(cfg: Any, method: Optional[Method], preemption: PreemptionHandler) -> dict:
-    trainer = Trainer(cfg, method, lock_run_dir=True)
-    trainer.preemption = preemption  # methods (and test hooks) may look at the stop request
+    trainer = Trainer(cfg, method, lock_run_dir=True, preemption=preemption)
+    if preemption.should_stop():  # a collective: a signal while the model was built or the checkpoint loaded
+        raise StoppedDuringStartup()
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
     log = RunLogger(cfg.run_dir, trainer.total_steps, tokens_per_step, cfg, cfg.logging.progress, trainer.step)
     if distributed.is_rank0():

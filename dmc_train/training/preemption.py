@@ -20,6 +20,13 @@ The handler only records the signal; all work (the collective, the checkpoint, t
 in the training loop. So a signal to any one rank, to all of them, or forwarded by torchrun or the
 SLURM node wrapper (launch/slurm/torchrun_node.sh) never interrupts a collective or a save: every
 rank learns of it at the next ``should_stop()``. Delivery patterns and exit codes: docs/CLUSTER.md.
+
+Start-up: an entry point calls :func:`catch_early` as its first statement (``launch/pretrain.py``), before
+the heavy imports, so a signal that arrives while Python imports torch and megatron, the config is
+composed or the model is built is recorded too; the trainer's handler takes over what it recorded. A
+process started with the stop signals blocked (the node wrapper starts torchrun so, and the ranks
+inherit the mask) keeps a signal that arrives before that point pending, and ``install()`` unblocks
+it, so it is delivered then. This module imports torch only when ``should_stop()`` runs.
 """
 
 from __future__ import annotations
@@ -29,9 +36,6 @@ import shutil
 import signal
 import subprocess
 from typing import Iterable, Optional, Union
-
-import torch
-import torch.distributed as dist
 
 SignalLike = Union[int, str, signal.Signals]
 
@@ -55,12 +59,13 @@ class PreemptionHandler:
 
     def __init__(self, signals: Iterable[SignalLike] = ("SIGUSR1", "SIGUSR2", "SIGTERM"),
                  requeue_signals: Iterable[SignalLike] = ("SIGUSR1", "SIGUSR2"), scontrol: str = "scontrol",
-                 group: Optional[dist.ProcessGroup] = None):
+                 group=None):
         self.signals = tuple(_as_signal(s) for s in signals)
         self.requeue_signals = frozenset(_as_signal(s) for s in requeue_signals)
         self.scontrol = scontrol
         self.group = group
         self.received: Optional[signal.Signals] = None  # the first signal this rank got
+        self.seen: set[signal.Signals] = set()  # every signal this rank got
         self._requeue_wanted = False  # a requeue signal arrived on this rank
         self._stop = False  # agreed by should_stop(): sticky
         self._requeue = False  # agreed by should_stop(): sticky
@@ -70,10 +75,28 @@ class PreemptionHandler:
 
     # -- signal handling ---------------------------------------------------------------------
     def install(self) -> "PreemptionHandler":
-        """Install the handlers (main thread only); previous handlers are kept for ``uninstall``."""
+        """Install the handlers (main thread only); previous handlers are kept for ``uninstall``.
+
+        A signal an earlier PreemptionHandler recorded (:func:`catch_early`) counts as received here, and
+        the signals are unblocked in this thread, so one held pending since the process started (a
+        mask inherited from the node wrapper) is delivered to this handler now."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        for prev in {id(p): p for p in self._previous.values()}.values():
+            earlier = getattr(prev, "__self__", None)
+            if isinstance(earlier, PreemptionHandler) and earlier is not self:
+                self._adopt(earlier)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         return self
+
+    def _adopt(self, earlier: "PreemptionHandler") -> None:
+        """Take over what ``earlier`` recorded (and clear it there, so it is acted on once)."""
+        if earlier.received is not None and earlier.received in self.signals:
+            self._on_signal(earlier.received, None)
+        if earlier._requeue_wanted and self.requeue_signals & set(earlier.signals):
+            self._requeue_wanted = True
+        self.seen |= earlier.seen & set(self.signals)
+        earlier.received, earlier._requeue_wanted, earlier.seen = None, False, set()
 
     def uninstall(self) -> None:
         """Restore the handlers that were installed before ``install``."""
@@ -88,6 +111,7 @@ class PreemptionHandler:
         self.uninstall()
 
     def _on_signal(self, signum, frame) -> None:  # record only; never do work in a handler
+        self.seen.add(signal.Signals(signum))
         if self.received is None:
             self.received = signal.Signals(signum)
         if signum in self.requeue_signals:
@@ -101,9 +125,13 @@ class PreemptionHandler:
     def should_stop(self) -> bool:
         """True on every rank once any rank got a stop signal. Collective when torch.distributed is
         initialised: call it on all ranks of the group at the same point (e.g. after each step)."""
+        import torch.distributed as dist
+
         local = [int(self.received is not None or self._stop), int(self._requeue_wanted or self._requeue),
                  int(self.received or self.agreed or 0)]
         if dist.is_available() and dist.is_initialized():
+            import torch
+
             on_gpu = dist.get_backend(self.group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
             flags = torch.tensor(local, dtype=torch.int32, device=device)
@@ -126,6 +154,8 @@ class PreemptionHandler:
         ``SLURM_JOB_ID`` is its own id, so only that task is requeued. On failure returns False and sets
         ``requeue_error``.
         """
+        import torch.distributed as dist
+
         self.requeue_error = None
         job_id = os.environ.get("SLURM_JOB_ID")
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -150,3 +180,19 @@ class PreemptionHandler:
                     self.requeue_error = (f"{exe} requeue {job_id} failed ({proc.returncode}): "
                                           + " ".join((proc.stderr or proc.stdout).split()))
         return False
+
+
+_early: Optional[PreemptionHandler] = None
+
+
+def catch_early() -> PreemptionHandler:
+    """Record the stop signals from now on (call it first thing in a training entry point, main thread).
+
+    The handler only records; ``train()``'s own handler takes over what it recorded when it is installed
+    and hands control back to it when training ends, so a late signal (the process is exiting anyway)
+    is recorded and changes nothing. Idempotent."""
+    global _early
+    if _early is None:
+        _early = PreemptionHandler().install()
+    return _early
+

@@ -4,17 +4,16 @@ has arrived, so a test can deliver a stop signal at an exact step whatever the m
     python tests/scripts/pretrain_hold.py +recipe=tiny_pretrain method=hold_for_signal \
         method.at=[3,6] method.dir=/tmp/hold
 
-After each step in ``method.at`` (1-based, as logged; 0: during the start-up of a fresh run, once the
-trainer is built and before its first step) every rank creates ``<dir>/ready.<step>.<rank>`` and waits
+After each step in ``method.at`` (1-based, as logged; 0: during start-up, once the trainer is built and
+before its first step) every rank creates ``<dir>/ready.<step>.<rank>`` and waits
 (at most ``method.timeout`` seconds) until it has received a stop signal itself or another rank has:
 the first rank to see its own signal creates ``<dir>/go.<step>``. The ranks are then past the step's
 collectives and all ask the trainer's stop handler after this same step, so a signal delivered to any
-of the processes stops the run right after ``step`` (after step 1 for 0). The method changes nothing
-else.
+of the processes stops the run right after ``step`` (before the first step for 0). The method changes
+nothing else.
 """
 
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -37,10 +36,8 @@ class HoldConfig:
 class HoldMethod(Method):
     def attach(self, trainer) -> None:
         self.trainer = trainer
-        if 0 in self.cfg.method.at and trainer.step == 0:
-            # train() installed its stop handler before building the trainer (which sets it as
-            # trainer.preemption only afterwards): the handler of SIGTERM is its bound method
-            self._hold(0, signal.getsignal(signal.SIGTERM).__self__)
+        if 0 in self.cfg.method.at:  # start-up: the trainer is built, its first step not yet run
+            self._hold(0, trainer.preemption)
 
     def after_step(self, step, model_chunks) -> dict:
         if step in self.cfg.method.at:

@@ -5,6 +5,7 @@ the one registry that picks them by name (:data:`CACHES`, :func:`build_cache`).
     dmc        Dynamic Memory Compression, Algorithm 1 (DMC and Fixed Memory Pooling checkpoints)
     <policy>   a fixed budget kept by an eviction policy of ``dmc_train/policies`` (h2o, tova,
                streaming_llm, keyformer, lsh_e, knorm): one evicting cache (``evicting.py``) for all
+    less       LESS checkpoints: their policy plus the low-rank state of the evicted pairs (``less.py``)
     lightcache every token kept, older ones compressed in the feature dimension, a selected window
                attended at its own positions (``lightcache.py``; vanilla and GQA checkpoints)
 
@@ -23,16 +24,19 @@ from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.caches.dmc import DMCCache, teacher_forced_dmc
 from dmc_train.inference.caches.evicting import EvictingCache
 from dmc_train.inference.caches.full import FullCache, causal_attention
+from dmc_train.inference.caches.less import LESSCache, LESSWeights
 from dmc_train.inference.caches.lightcache import PagedLightCache
 from dmc_train.policies import POLICIES, build_scorer
 
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """``build(pool, model, options) -> KVCache``; ``dmc``: True = DMC checkpoints only, False = not on them."""
+    """``build(pool, model, options) -> KVCache``; ``dmc``: True = DMC checkpoints only, False = not on them;
+    ``needs``: the model attribute it cannot run without (``less``: a LESS checkpoint's kernels)."""
 
     build: Callable[..., KVCache]
     dmc: bool
+    needs: str = ""
 
 
 def _no_options(name: str, options: dict) -> None:
@@ -61,8 +65,19 @@ def _policy(name: str) -> Callable[..., KVCache]:
     return build
 
 
+def _less(pool, model, options):
+    """A LESS checkpoint's policy and budget; ``options`` may change them (a LESS trained at one budget runs at
+    another: the paper's transfer rows)."""
+    s, w = model.shape, model.less
+    scorer = build_scorer(w.policy, {**w.options, "budget": w.budget, **options}, s.head_dim,
+                          s.num_heads // s.num_kv_heads, model.scale)
+    return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer,
+                     scorer.cfg.budget_entries(s.max_positions), s.max_positions, w)
+
+
 CACHES: dict[str, CacheEntry] = {"full": CacheEntry(_full, False), "dmc": CacheEntry(_dmc, True),
                                  **{name: CacheEntry(_policy(name), False) for name in POLICIES},
+                                 "less": CacheEntry(_less, False, needs="less"),
                                  "lightcache": CacheEntry(PagedLightCache.build, False)}
 
 
@@ -73,6 +88,9 @@ def check_cache(name: str, model: Any) -> None:
     if CACHES[name].dmc and model.dmc is None:
         raise InferenceError(f"the {name!r} cache needs a DMC model, and this checkpoint has no DMC decisions (its "
                              f"method is not dmc or fixed_pooling); use cache='full' or an eviction policy")
+    if CACHES[name].needs and getattr(model, CACHES[name].needs, None) is None:
+        raise InferenceError(f"the {name!r} cache needs a checkpoint trained with method={name} (its kernels); "
+                             f"this one has none: use cache='auto' or an eviction policy")
     if name in POLICIES and model.dmc is not None:
         raise InferenceError(f"the {name!r} policy runs on vanilla and GQA checkpoints; this one is a DMC model, "
                              f"which compresses with its own cache: use cache='dmc' (or auto)")
@@ -89,5 +107,5 @@ def build_cache(name: str, pool, model: Any, options: dict[str, Any]) -> KVCache
         raise InferenceError(str(e)) from None
 
 
-__all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "PagedLightCache", "TokenInfo",
-           "build_cache", "causal_attention", "check_cache", "teacher_forced_dmc"]
+__all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "LESSCache", "LESSWeights", "PagedLightCache",
+           "TokenInfo", "build_cache", "causal_attention", "check_cache", "teacher_forced_dmc"]
