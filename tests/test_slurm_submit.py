@@ -144,6 +144,52 @@ def test_submit_calls_sbatch_with_the_written_script(tmp_path, fakes):
     assert out.getvalue().startswith("Submitted batch job 123 ")
 
 
+def sbatch_arguments(line: str, quotes: str = "\"'") -> list[str]:
+    """The options sbatch reads from one ``#SBATCH`` line: a port of its parser (src/sbatch/opt.c,
+    ``_get_argument``: white space separates, ``\\`` escapes the next character, quotes group, an unquoted
+    ``#`` ends the line). Older Slurm versions take only double quotes: ``quotes='"'``."""
+    args, i, rest = [], 0, line[len("#SBATCH"):]
+    while True:
+        while i < len(rest) and rest[i].isspace():
+            i += 1
+        if i == len(rest):
+            return args
+        arg, quote, escaped = "", None, False
+        while i < len(rest) and (quote or not rest[i].isspace()):
+            c = rest[i]
+            i += 1
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+                continue
+            elif quote:
+                if c == quote:
+                    quote = None
+                    continue
+            elif c in quotes:
+                quote = c
+                continue
+            elif c == "#":
+                return args + ([arg] if arg else [])
+            arg += c
+        assert quote is None, f"unmatched {quote} in {line!r}"
+        args.append(arg)
+
+
+@pytest.mark.parametrize("quotes", ["\"'", '"'], ids=["slurm", "old_slurm"])
+@pytest.mark.parametrize("name", ["plain", "with space", "it's", 'say "hi"', "a#b", "back\\slash", "tab\there"])
+def test_sbatch_lines_read_back_exactly(tmp_path, name, quotes):
+    """A run or log directory (or job name) with white space, quotes, # or a backslash reaches sbatch as it is."""
+    run_dir = tmp_path / name / "run"
+    script = slurm.render(spec(tmp_path, run_dir=str(run_dir), log_dir=None, job_name=f"job {name}",
+                               sbatch_args=[f"--comment={name}"]))
+    options = [a for line in script.splitlines() if line.startswith("#SBATCH ") for a in sbatch_arguments(line, quotes)]
+    assert f"--output={run_dir}/slurm/%x-%j.out" in options
+    assert f"--job-name=job {name}" in options and f"--comment={name}" in options
+    assert "--requeue" in options and "--open-mode=append" in options
+
+
 def test_logs_default_to_the_run_dir(tmp_path, fakes):
     assert slurm.run(spec(tmp_path, log_dir=None), out=io.StringIO()) == 0
     (script_path,), = calls(fakes / "sbatch")

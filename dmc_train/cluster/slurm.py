@@ -19,12 +19,12 @@ The rendered script is self-contained: it needs dmc_train installed in the job's
 Template and wrapper are the package data ``launch/slurm/`` (see :func:`slurm_dir`).
 
 Signals: ``#SBATCH --signal=USR1@<seconds>`` (no ``B:``) signals the job step, not the batch shell;
-the wrapper keeps torchrun alive and forwards SIGUSR1 to the ranks (see torchrun_node.sh).
+the wrapper keeps SIGUSR1 and SIGTERM from torchrun and hands them to the ranks, also one that comes
+before the ranks exist (see torchrun_node.sh).
 
-Job arrays (``--array 0-3``): each task gets ``++array_task_id=$SLURM_ARRAY_TASK_ID`` (``++`` adds
-the key, or overrides it once the schema has such a field) and its own run directory
-``<run_dir>/task_<id>``, so each task checkpoints and resumes independently (e.g. one LESS
-layer group per task).
+Job arrays (``--array 0-3``): each task gets ``++array_task_id=$SLURM_ARRAY_TASK_ID`` (the schema's
+``array_task_id``) and its own run directory ``<run_dir>/task_<id>``, so each task checkpoints and
+resumes independently (e.g. one LESS layer group per task).
 """
 
 from __future__ import annotations
@@ -188,7 +188,17 @@ def _sbatch_lines(spec: JobSpec, log_dir: str) -> list[str]:
         opts.append(f"--signal=USR1@{spec.signal_seconds}")
     opts.append("--requeue" if spec.requeue else "--no-requeue")
     opts += spec.sbatch_args
-    return [f"#SBATCH {o}" for o in opts]
+    return [f"#SBATCH {sbatch_quote(o)}" for o in opts]
+
+
+def sbatch_quote(option: str) -> str:
+    """``option`` as one argument of an ``#SBATCH`` line. sbatch splits these lines at white space, takes
+    ``"``/``'`` as quotes and ``\\`` as an escape, and ends the line at an unquoted ``#``: an option with
+    any of them is double-quoted with ``\\`` and ``"`` escaped, which both sbatch's current parser and its
+    older one (double quotes only) read back unchanged. Other options are written as they are."""
+    if not re.search(r"[\s\"'\\#]", option):
+        return option
+    return '"' + option.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _estimate_line(spec: JobSpec, cfg: Any) -> tuple[str, Optional[str]]:
