@@ -157,6 +157,20 @@ def decompress(c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 # -- selection --------------------------------------------------------------------------------------
+def top_mask(key: torch.Tensor, count: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """The ``count [...]`` eligible entries of ``key [..., C]`` with the largest keys (ties: lower index) as a
+    mask ``[..., C]``; ``count`` <= the eligible entries of its row."""
+    key = key.masked_fill(~eligible, float("-inf"))
+    most = int(count.max()) if count.numel() else 0
+    if most == 0:
+        return torch.zeros_like(eligible)
+    kth = key.topk(most, dim=-1).values.gather(-1, (count - 1).clamp(min=0)[..., None])
+    above = (key > kth) & eligible
+    tied = (key == kth) & eligible
+    take = tied & (tied.cumsum(-1) <= (count[..., None] - above.sum(-1, keepdim=True)))
+    return (above | take) & (count[..., None] > 0)
+
+
 def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: int) -> torch.Tensor:
     """The compressed entries each query attends to: ``scores [N, G, T, C]`` (``q P_k . k P_k`` per query
     head), ``available [N, T]`` (entries ``0 .. available-1`` exist for that query) -> ``[N, T, C]`` bool.
@@ -172,21 +186,18 @@ def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: i
     if k == 0:
         return torch.zeros(n, t, c, dtype=torch.bool)
     index = torch.arange(c)
-    absent = index >= available[..., None]  # [N, T, C]
-    scores = scores.masked_fill(absent[:, None], float("-inf"))
-    picks = scores.argsort(dim=-1, descending=True, stable=True)[..., :k]  # [N, G, T, k]
-    real = picks < available[:, None, :, None]
-    votes = torch.zeros(n, g, t, c, dtype=scores.dtype).scatter_(-1, picks, real.to(scores.dtype)).sum(1)  # [N, T, C]
-    total = scores.masked_fill(absent[:, None], 0.0).sum(1).masked_fill(absent, float("-inf"))
-    by_total = total.argsort(dim=-1, descending=True, stable=True)
-    ranked = by_total.gather(-1, votes.gather(-1, by_total).argsort(dim=-1, descending=True, stable=True))
-    centres = ranked[..., :k]  # [N, T, k]
-    chosen = torch.arange(k) < available.clamp(max=k)[..., None]
-    start = (centres - segment // 2).clamp(min=0)
-    start = torch.minimum(start, (available[..., None] - segment).clamp(min=0))
+    exists = index < available[..., None]  # [N, T, C]
+    count = available.clamp(max=k)  # [N, T] centres
+    votes = top_mask(scores, count[:, None].expand(n, g, t), exists[:, None].expand(n, g, t, c)).sum(1)
+    votes = votes.to(scores.dtype)
+    kth = votes.topk(k, dim=-1).values.gather(-1, (count - 1).clamp(min=0)[..., None])
+    sure = (votes > kth) & exists
+    centres = sure | top_mask(scores.sum(1), count - sure.sum(-1), (votes == kth) & exists)
+    start = (index - segment // 2).clamp(min=0)
+    start = torch.minimum(start, (available[..., None] - segment).clamp(min=0))  # [N, T, C]
     end = torch.minimum(start + segment, available[..., None])
     edges = torch.zeros(n, t, c + 1)
-    edges.scatter_add_(-1, start, chosen.float()).scatter_add_(-1, end, -chosen.float())
+    edges.scatter_add_(-1, start, centres.float()).scatter_add_(-1, end, -centres.float())
     return edges.cumsum(-1)[..., :c] > 0.5
 
 
@@ -215,52 +226,75 @@ def window_attention(q: torch.Tensor, t0: torch.Tensor, ctx: Context, pk: torch.
                      s: Settings, rotate: Rotate, scale: float) -> torch.Tensor:
     """LightCache attention of ``q [N, G, T, d]`` (before RoPE; query j of row n is token ``t0[n] + j``) over
     ``ctx`` -> ``[N, G, T, d_v]``. ``pk [N, d, r_k]``, ``pv [N, d_v, r_v]``: each row's projections.
-    Queries go in blocks so that a block's gathered windows stay near ``BLOCK_ELEMENTS``."""
+
+    Query t attends over its window ``[global, selected, local]`` at window positions ``0 .. W-1`` (query
+    at ``W-1``). RoPE depends only on the distance between the query and a key, so each part is rotated
+    once at fixed positions and the query once per part: global entry i sits at i (the query at W-1),
+    selected entry j at ``n_global + j`` (relative to the query: j against ``n_sel + n_local - 1``), and
+    a local token keeps its distance to the query, so local keys and the query take their own token
+    positions. Queries go in blocks of about ``BLOCK_ELEMENTS`` gathered elements.
+    """
     n, g, t, d = q.shape
-    per_query = n * (s.window * (d + ctx.v.shape[-1]) * 3 + ctx.kc.shape[1] * (3 * g + 6))
+    width = s.top_k * s.segment
+    per_query = n * (width * (d + ctx.v.shape[-1]) * 2 + g * (s.window + t) * 3 + ctx.kc.shape[1] * (3 * g + 6))
     step = max(1, BLOCK_ELEMENTS // max(per_query, 1))
     return torch.cat([_window_block(q[:, :, i: i + step], t0 + i, ctx, pk, pv, s, rotate, scale)
                       for i in range(0, t, step)], dim=2)
 
 
+def _selected(q, pos, ctx: Context, pk, pv, s: Settings):
+    """The selected compressed entries of each query, decompressed and packed in sequence order:
+    ``(k [N, T, S, d], v [N, T, S, d_v], count [N, T])``."""
+    n, g, t, _ = q.shape
+    c = ctx.kc.shape[1]
+    width = min(s.top_k * s.segment, c)
+    if width == 0:
+        return (x.new_zeros(n, t, 0, x.shape[-1]) for x in (ctx.k, ctx.v)), torch.zeros(n, t, dtype=torch.long)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("ngtr,ncr->ngtc", compress(q, pk).to(acc), ctx.kc.to(acc))
+    chosen = select(scores, (pos + 1 - s.global_ - s.local).clamp(min=0), s.top_k, s.segment)  # [N, T, C]
+    slot = torch.where(chosen, chosen.cumsum(-1) - 1, width)  # packed place of each chosen entry (width: none)
+    index = torch.zeros(n, t, width + 1, dtype=torch.long).scatter_(-1, slot, torch.arange(c).expand(n, t, c))
+    index = index[..., :width]
+    k = decompress(gather_rows(ctx.kc, index), pk)
+    return (k, decompress(ctx.values(index), pv)), chosen.sum(-1)
+
+
 def _window_block(q, t0, ctx: Context, pk, pv, s: Settings, rotate: Rotate, scale: float) -> torch.Tensor:
     n, g, t, d = q.shape
     glob, loc = s.global_, s.local
-    pos = t0[:, None] + torch.arange(t)  # [N, T] token position of each query
-    # the selected compressed entries, packed in sequence order: [N, T, S]
-    c = ctx.kc.shape[1]
-    available = (pos + 1 - glob - loc).clamp(min=0)
-    width = min(s.top_k * s.segment, c)
-    if width:
-        acc = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.einsum("ngtr,ncr->ngtc", compress(q, pk).to(acc), ctx.kc.to(acc))
-        chosen = select(scores, available, s.top_k, s.segment)
-        index = torch.where(chosen, torch.arange(c), c).sort(-1).values[..., :width]
-        sel_ok = index < c
-        index = index.clamp(max=c - 1)
-        k_sel = decompress(gather_rows(ctx.kc, index), pk)
-        v_sel = decompress(ctx.values(index), pv)
-    else:
-        sel_ok = torch.zeros(n, t, 0, dtype=torch.bool)
-        k_sel, v_sel = (x.new_zeros(n, t, 0, x.shape[-1]) for x in (ctx.k, ctx.v))
-    # global: slots 0..g-1 up to the query; local: tokens t-l+1..t from g on
-    glob_ok = torch.arange(glob) <= pos[..., None]  # [N, T, g]
-    tokens = pos[..., None] - loc + 1 + torch.arange(loc)  # [N, T, l]
-    loc_ok = tokens >= glob
-    slots = (glob + tokens - ctx.recent_start[:, None, None]).clamp(min=0, max=ctx.k.shape[1] - 1)
-    keys = torch.cat([ctx.k[:, None, :glob].expand(-1, t, -1, -1), k_sel, gather_rows(ctx.k, slots)], dim=2)
-    values = torch.cat([ctx.v[:, None, :glob].expand(-1, t, -1, -1), v_sel, gather_rows(ctx.v, slots)], dim=2)
-    ok = torch.cat([glob_ok, sel_ok, loc_ok], dim=2)  # [N, T, W]
-    # window positions: each part continues where the previous one ends; the query is the last entry
-    n_glob, n_sel, n_loc = glob_ok.sum(-1), sel_ok.sum(-1), loc_ok.sum(-1)
-    where = torch.cat([torch.arange(glob).expand(n, t, -1), n_glob[..., None] + torch.arange(k_sel.shape[2]),
-                       (n_glob + n_sel - loc + n_loc)[..., None] + torch.arange(loc)], dim=2)
-    keys = rotate(keys, where.clamp(min=0))
-    query = rotate(q, (n_glob + n_sel + n_loc - 1)[:, None, :])
     acc = torch.promote_types(q.dtype, torch.float32)  # bf16 / fp16 models attend in fp32
-    logits = torch.einsum("ngtd,ntwd->ngtw", query.to(acc), keys.to(acc)) * scale
-    probs = torch.softmax(logits.masked_fill(~ok[:, None], float("-inf")), dim=-1)
-    return torch.einsum("ngtw,ntwd->ngtd", probs, values.to(acc)).to(q.dtype)
+    pos = t0[:, None] + torch.arange(t)  # [N, T] token position of each query
+    (k_sel, v_sel), n_sel = _selected(q, pos, ctx, pk, pv, s)
+    n_glob = (pos + 1).clamp(max=glob)
+    n_loc = (pos + 1 - glob).clamp(min=0, max=loc)
+
+    def query_at(where):  # q rotated at per-query positions [N, T]
+        return rotate(q, where[:, None, :]).to(acc)
+
+    # global: window positions 0 .. g-1
+    k_glob = rotate(ctx.k[:, :glob], torch.arange(glob)).to(acc)
+    logits = [torch.einsum("ngtd,nid->ngti", query_at(n_glob + n_sel + n_loc - 1), k_glob)]
+    masks = [torch.arange(glob) < n_glob[..., None]]
+    # selected: entry j against the query at n_sel + n_loc - 1
+    width = k_sel.shape[2]
+    k_sel = rotate(k_sel, torch.arange(width)).to(acc)
+    logits.append(torch.einsum("ngtd,ntjd->ngtj", query_at(n_sel + n_loc - 1), k_sel))
+    masks.append(torch.arange(width) < n_sel[..., None])
+    # local: tokens first .. first + span - 1 cover every query's local part; own positions
+    first = (t0 - loc + 1).clamp(min=glob)  # [N]
+    tokens = first[:, None] + torch.arange(t + loc - 1)  # [N, span]
+    slots = (glob + tokens - ctx.recent_start[:, None]).clamp(min=0, max=ctx.k.shape[1] - 1)
+    k_loc = rotate(gather_rows(ctx.k, slots), tokens).to(acc)
+    logits.append(torch.einsum("ngtd,nud->ngtu", query_at(pos), k_loc))
+    masks.append((tokens[:, None] <= pos[..., None]) & (tokens[:, None] > pos[..., None] - loc))
+    mask = torch.cat(masks, dim=-1)[:, None]  # [N, 1, T, W]
+    probs = torch.softmax((torch.cat(logits, dim=-1) * scale).masked_fill(~mask, float("-inf")), dim=-1)
+    p_glob, p_sel, p_loc = probs.split([glob, width, tokens.shape[1]], dim=-1)
+    out = (torch.einsum("ngti,nie->ngte", p_glob, ctx.v[:, :glob].to(acc))
+           + torch.einsum("ngtj,ntje->ngte", p_sel, v_sel.to(acc))
+           + torch.einsum("ngtu,nue->ngte", p_loc, gather_rows(ctx.v, slots).to(acc)))
+    return out.to(q.dtype)
 
 
 # -- the method -------------------------------------------------------------------------------------

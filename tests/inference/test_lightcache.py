@@ -110,6 +110,59 @@ def test_full_width_with_every_entry_selected_is_full_attention(make_model):
     assert (got - model.forward(seq[None])[0]).abs().max() < 1e-4
 
 
+def reference_lightcache(q, k, v, lc, layer, base):
+    """The paper's steps, one query at a time: ``q [H, n, d]``, ``k / v [H_kv, n, d]`` before RoPE ->
+    ``[H, n, d]``. Compressed tokens g .. t-l; each query head's top-k (ties: lower index) votes; segments
+    as sets; the window [global, selected (decompressed), local] rotated at 0..W-1, the query at W-1."""
+    s = lc.settings
+    glob, loc, m = s.global_, s.local, s.segment
+    h, n, _ = q.shape
+    group = h // k.shape[0]
+    out = torch.zeros_like(q)
+    for kv in range(k.shape[0]):
+        pk, pv = lc.projections.k[layer, kv], lc.projections.v[layer, kv]
+        for t in range(n):
+            comp = list(range(glob, t - loc + 1))
+            heads = range(kv * group, (kv + 1) * group)
+            chosen = []
+            if comp and s.top_k:
+                kc = k[kv, comp] @ pk
+                scores = {j: [float((q[j, t] @ pk) @ kc[i]) for i in range(len(comp))] for j in heads}
+                votes = [0] * len(comp)
+                for j in heads:
+                    for i in sorted(range(len(comp)), key=lambda i: (-scores[j][i], i))[: s.top_k]:
+                        votes[i] += 1
+                total = [sum(scores[j][i] for j in heads) for i in range(len(comp))]
+                centres = sorted(range(len(comp)), key=lambda i: (-votes[i], -total[i], i))[: s.top_k]
+                picked = set()
+                for c in centres:
+                    start = min(max(c - m // 2, 0), max(len(comp) - m, 0))
+                    picked |= set(range(start, min(start + m, len(comp))))
+                chosen = sorted(picked)
+            glob_t, loc_t = list(range(min(glob, t + 1))), list(range(max(glob, t - loc + 1), t + 1))
+            keys = torch.cat([k[kv, glob_t], (k[kv, comp][chosen] @ pk) @ pk.T, k[kv, loc_t]])
+            vals = torch.cat([v[kv, glob_t], (v[kv, comp][chosen] @ pv) @ pv.T, v[kv, loc_t]])
+            w = len(keys)
+            keys = rope(keys, torch.arange(w), base)
+            for j in heads:
+                logits = keys @ rope(q[j, t], torch.tensor(w - 1), base) * lc.scale
+                out[j, t] = torch.softmax(logits, -1) @ vals
+    return out
+
+
+@pytest.mark.parametrize("options", [SMALL, {**SMALL, "global": 0, "top_k": 3, "segment": 1}])
+def test_parallel_form_equals_the_papers_steps_one_query_at_a_time(make_model, options):
+    model = make_model("full")
+    lc = lightcache_for(model, options)
+    g = torch.Generator().manual_seed(5)
+    n = 37
+    q, k, v = (torch.randn(1, h, n, D, generator=g) for h in (4, 2, 2))
+    info = TokenInfo(torch.arange(n), rotate=functools.partial(rope, base=SHAPE.rope_base))
+    got = lc.parallel_attention(1, q, k, v, info)[0]
+    want = reference_lightcache(q[0], k[0], v[0], lc, 1, SHAPE.rope_base)
+    assert (got - want).abs().max() < 1e-5
+
+
 # -- selection ---------------------------------------------------------------------------------------
 def test_selection_brings_segments_deduplicated_in_order_and_gqa_votes():
     c = 40
