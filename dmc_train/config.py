@@ -203,14 +203,18 @@ def check_known_keys(cfg: Any) -> None:
 
     unknown, known = [], []
 
+    def items(node: Any) -> list:  # a node's (key, unresolved value) pairs; none for a null or missing node
+        return [] if not isinstance(node, DictConfig) or node._is_none() or node._is_missing() else \
+            list(node.items_ex(resolve=False))
+
     def walk(node: DictConfig, prefix: str) -> None:
         node_type = OmegaConf.get_type(node)
         fields = {f.name for f in dataclasses.fields(node_type)} if dataclasses.is_dataclass(node_type) else None
-        for key, value in node.items_ex(resolve=False):
+        for key, value in items(node):
             path = f"{prefix}{key}"
             if fields is not None and key not in fields:
-                while isinstance(value, DictConfig) and len(value):  # name the key as typed: +foo.bar=1
-                    inner, value = next(iter(value.items_ex(resolve=False)))
+                while items(value):  # name the key as typed: +foo.bar=1
+                    inner, value = items(value)[0]
                     path = f"{path}.{inner}"
                 unknown.append(path)
                 continue
