@@ -7,10 +7,11 @@ one :class:`~dmc_train.inference.pool.PagePool` (one free list, one byte budget,
 - its ordinary pool row (block table, ``seq_lens``): full-width entries, pre-RoPE. Slots ``0 .. g-1``
   hold the global tokens; slots ``g .. g+l-1`` are a ring for the local ones (token ``u >= g`` at slot
   ``g + (u - g) % l``), so the row never holds more than ``g + l`` entries;
-- a list of **packed pages** (:class:`PackedPages`): compressed entries ``[k P_k | v P_v]`` of width
-  ``w = r_k + r_v``. A pool page is a K page ``[page_size, d]`` and a V page ``[page_size, d_v]``;
-  packed, the K page holds ``page_size * d // w`` entries and the V page ``page_size * d_v // w``, so a
-  compressed token costs ``w`` elements (plus at most one part-filled page per row), not ``d + d_v``.
+- a list of **packed pages** (:class:`PackedPages`): compressed entries, a key ``k P_k`` and a value
+  ``v P_v``, ``w = r_k + r_v`` channels. A pool page is a K page ``[page_size, d]`` and a V page
+  ``[page_size, d_v]``; packed, the K page holds ``page_size * d // w`` entries and the V page
+  ``page_size * d_v // w``, so a compressed token costs ``w`` elements (plus at most one part-filled
+  page per row), not ``d + d_v``. Two pools would split the byte budget between widths in advance.
 
 A token is written once at full width and, when it leaves the local window, once compressed (read
 from its ring slot, projected, appended to the packed pages; the ring slot then takes the new token):
@@ -50,17 +51,24 @@ def lightcache_for(model: Any, options: dict[str, Any]) -> LightCache:
 
 
 class PackedPages:
-    """Compressed entries of width ``w`` packed into pages of ``pool``, one page list per row
-    (``table [rows, pages]`` int32, -1 = none, widened on demand; ``lens [rows]`` entries held)."""
+    """Compressed entries (a key of ``r_k`` and a value of ``r_v`` channels) packed into pages of ``pool``, one
+    page list per row (``table [rows, pages]`` int32, -1 = none, widened on demand; ``lens [rows]`` entries).
 
-    def __init__(self, pool: PagePool, width: int):
-        ps, d, dv = pool.page_size, pool.k_pages.shape[-1], pool.v_pages.shape[-1]
+    Each half of a page (its K page, then its V page) holds ``E`` entries as ``[E, r_k]`` keys followed
+    by ``[E, r_v]`` values, ``E = page_size * channels // (r_k + r_v)``, so that scoring reads the
+    compressed keys of a row page by page, contiguously. Entry i of a row is entry ``i % per_page`` of
+    its page ``i // per_page``: the K half's entries first."""
+
+    def __init__(self, pool: PagePool, r_k: int, r_v: int):
         n = pool.num_pages
-        self.pool, self.width = pool, width
-        self.in_k, in_v = ps * d // width, ps * dv // width
+        self.pool, self.width = pool, r_k + r_v
+        halves = []
+        for pages in (pool.k_pages, pool.v_pages):
+            flat = pages.view(n, -1)
+            e = flat.shape[1] // self.width
+            halves.append((e, flat[:, : e * r_k].view(n, e, r_k), flat[:, e * r_k: e * self.width].view(n, e, r_v)))
+        (self.in_k, self.kk, self.kv), (in_v, self.vk, self.vv) = halves  # entries, keys, values of each half
         self.per_page = self.in_k + in_v
-        self.k = pool.k_pages.view(n, ps * d)[:, : self.in_k * width].view(n, self.in_k, width)
-        self.v = pool.v_pages.view(n, ps * dv)[:, : in_v * width].view(n, in_v, width)
         rows = pool.block_table.shape[0]
         self.table = torch.full((rows, 1), -1, dtype=torch.int32)
         self.lens = torch.zeros(rows, dtype=torch.long)
@@ -98,21 +106,25 @@ class PackedPages:
     def _where(self, rows: torch.Tensor, index: torch.Tensor):
         page = self.table[rows.view(-1, *([1] * (index.dim() - 1))), index // self.per_page].long()
         slot = index % self.per_page
-        return page, slot, slot < self.in_k
+        return page, slot.clamp(max=self.in_k - 1), (slot - self.in_k).clamp(min=0), slot < self.in_k
 
-    def write(self, rows: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
-        """Store ``x [n, w]`` as entry ``index [n]`` of ``rows [n]`` (already extended)."""
-        page, slot, in_k = self._where(rows, index)
-        self.k[page[in_k], slot[in_k]] = x[in_k].to(self.k.dtype)
-        self.v[page[~in_k], slot[~in_k] - self.in_k] = x[~in_k].to(self.v.dtype)
+    def write(self, rows: torch.Tensor, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key [n, r_k]``, ``value [n, r_v]`` as entry ``index [n]`` of ``rows [n]`` (already extended)."""
+        page, in_k_slot, in_v_slot, in_k = self._where(rows, index)
+        for keys, values, slot, here in ((self.kk, self.kv, in_k_slot, in_k), (self.vk, self.vv, in_v_slot, ~in_k)):
+            keys[page[here], slot[here]] = key[here].to(keys.dtype)
+            values[page[here], slot[here]] = value[here].to(values.dtype)
 
-    def read(self, rows: torch.Tensor, index: torch.Tensor, cols: slice) -> torch.Tensor:
-        """Entries ``index [N, ...]`` of ``rows [N]``, channels ``cols`` -> ``[N, ..., len(cols)]`` (entries past a
-        row's length are garbage: callers mask them)."""
-        page, slot, in_k = self._where(rows, index)
-        k = self.k[:, :, cols][page, slot.clamp(max=self.in_k - 1)]
-        v = self.v[:, :, cols][page, (slot - self.in_k).clamp(min=0)]
-        return torch.where(in_k[..., None], k, v)
+    def keys(self, rows: torch.Tensor, count: int) -> torch.Tensor:
+        """The first ``count`` compressed keys of ``rows [N]`` -> ``[N, count, r_k]``, read page by page (entries
+        past a row's length are garbage: callers mask them)."""
+        pages = self.table[rows, : -(-count // self.per_page)].long()  # [N, P]; -1 (none) reads garbage
+        return torch.cat([self.kk[pages], self.vk[pages]], dim=2).flatten(1, 2)[:, :count]
+
+    def values(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Compressed values ``index [N, ...]`` of ``rows [N]`` -> ``[N, ..., r_v]`` (garbage past a row's length)."""
+        page, in_k_slot, in_v_slot, in_k = self._where(rows, index)
+        return torch.where(in_k[..., None], self.kv[page, in_k_slot], self.vv[page, in_v_slot])
 
 
 class PagedLightCache(KVCache):
@@ -129,7 +141,7 @@ class PagedLightCache(KVCache):
         if s.global_ + s.local > pool.max_pages_per_row * pool.page_size:
             raise InferenceError(f"lightcache global + local = {s.global_ + s.local} exceeds a pool row "
                                  f"({pool.max_pages_per_row * pool.page_size} entries); lower local")
-        self.packed = PackedPages(pool, s.r_k + s.r_v)
+        self.packed = PackedPages(pool, s.r_k, s.r_v)
 
     @classmethod
     def build(cls, pool: PagePool, model: Any, options: dict[str, Any]) -> "PagedLightCache":
@@ -174,14 +186,12 @@ class PagedLightCache(KVCache):
         if fresh:
             j = torch.arange(fresh)
             ok = j < (c1 - c0)[:, None]
-            entry = torch.cat([compress(ctx.k[:, glob: glob + fresh], pk), compress(ctx.v[:, glob: glob + fresh], pv)],
-                              dim=-1)
             packed.extend(rows, c1)
             r = rows[:, None].expand(-1, fresh)
-            packed.write(r[ok], (c0[:, None] + j)[ok], entry[ok])
-        every = torch.arange(int(c1.max()) if len(c1) else 0).expand(len(rows), -1)
-        ctx.kc = packed.read(rows, every, slice(0, s.r_k))
-        ctx.values = lambda index: packed.read(rows, index, slice(s.r_k, s.r_k + s.r_v))
+            packed.write(r[ok], (c0[:, None] + j)[ok], compress(ctx.k[:, glob: glob + fresh], pk)[ok],
+                         compress(ctx.v[:, glob: glob + fresh], pv)[ok])
+        ctx.kc = packed.keys(rows, int(c1.max()) if len(c1) else 0)
+        ctx.values = lambda index: packed.values(rows, index)
         out = window_attention(q, t0, ctx, pk, pv, s, info.rotate, self.scale)
         self._store(rows, t0, new_held, k, v)
         return out
