@@ -188,6 +188,7 @@ def plot(ppl: dict, mem: dict, lengths: list[int], trained: int, out: str) -> No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ((a, b), (c, e)) = plt.subplots(2, 2, figsize=(12, 8.5))
     colour = {name: f"C{i}" for i, name in enumerate(METHODS)}
@@ -205,6 +206,10 @@ def plot(ppl: dict, mem: dict, lengths: list[int], trained: int, out: str) -> No
     b.set(yscale="log", xlabel="token position", ylabel=f"perplexity of {trained}-token spans",
           title=f"Where the loss goes ({max(lengths)}-token texts)")
     a.legend(fontsize=8)
+    for ax in (a, b):  # plain numbers on the log axes
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_yticks([t for t in (60, 70, 80, 100, 120, 150, 200, 300) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
     for name, r in mem.items():
         c.plot(lengths, [r[str(n)]["bytes"] / 2**20 for n in lengths], marker="o", label=name, color=colour[name])
         e.plot(lengths, [r[str(n)]["step_ms"] for n in lengths], marker="o", label=name, color=colour[name])
