@@ -18,6 +18,26 @@ from omegaconf import MISSING, OmegaConf
 from dmc_train.errors import ConfigError
 
 
+@dataclass(unsafe_hash=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling (``model.rope_scaling``), the fields of Hugging Face's ``rope_parameters``.
+
+    ``type``: ``none`` (unscaled RoPE), ``llama3`` (Llama 3.1 / 3.2 / 3.3: wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_position_embeddings / high_freq_factor`` kept, the ones between interpolated) or
+    ``linear`` (every frequency divided by ``factor``). Fields a type does not use are ignored. The
+    frequencies: :func:`dmc_train.models.rope.rope_inv_freq`."""
+
+    type: str = "none"  # none | llama3 | linear
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+ROPE_SCALING_TYPES = ("none", "llama3", "linear")
+
+
 @dataclass
 class ModelConfig:
     """Llama architecture shape (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings)."""
@@ -31,6 +51,7 @@ class ModelConfig:
     vocab_size: int = MISSING
     max_position_embeddings: int = 4096
     rotary_base: int = 10000
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # type none = unscaled
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
 
@@ -166,6 +187,7 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
     if m.num_attention_heads % groups:
         raise ConfigError(f"model.num_query_groups={groups} does not divide "
                           f"model.num_attention_heads={m.num_attention_heads}")
+    check_rope_scaling(rope_scaling_of(m))
     if t.seq_length > m.max_position_embeddings:
         raise ConfigError(f"train.seq_length={t.seq_length} exceeds "
                           f"model.max_position_embeddings={m.max_position_embeddings}")
@@ -190,6 +212,23 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
     return layout
+
+
+def check_rope_scaling(r: Any) -> None:
+    """``model.rope_scaling`` (:class:`RopeScalingConfig`'s fields); ConfigError, one line."""
+    if r.type not in ROPE_SCALING_TYPES:
+        raise ConfigError(f"model.rope_scaling.type={r.type!r} is not one of {', '.join(ROPE_SCALING_TYPES)}")
+    if r.type == "none":
+        return
+    if not (math.isfinite(r.factor) and r.factor > 0):
+        raise ConfigError(f"model.rope_scaling.factor={r.factor} is not allowed; use a finite factor > 0 (e.g. 8.0)")
+    if r.type == "llama3":
+        if not 0 < r.low_freq_factor < r.high_freq_factor:
+            raise ConfigError(f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor; got "
+                              f"{r.low_freq_factor} and {r.high_freq_factor}")
+        if r.original_max_position_embeddings < 1:
+            raise ConfigError(f"model.rope_scaling.original_max_position_embeddings="
+                              f"{r.original_max_position_embeddings} is not allowed; use an integer >= 1")
 
 
 def check_known_keys(cfg: Any) -> None:
@@ -266,6 +305,17 @@ def kv_groups(model: Any) -> int:
     """Number of KV heads (query groups) of a model config: ``num_query_groups``, or the number of
     attention heads for MHA (``num_query_groups: null``)."""
     return model.num_query_groups or model.num_attention_heads
+
+
+def rope_scaling_of(model: Any) -> RopeScalingConfig:
+    """The RoPE scaling of a model config (``model.rope_scaling``) as a :class:`RopeScalingConfig`; type ``none``
+    for configs saved before the option existed (no such key)."""
+    node = model.get("rope_scaling") if hasattr(model, "get") else getattr(model, "rope_scaling", None)
+    if node is None:
+        return RopeScalingConfig()
+    if isinstance(node, RopeScalingConfig):
+        return node
+    return RopeScalingConfig(**{k: node[k] for k in node})
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,22 @@ def load_llama(directory: str) -> torch.nn.Module:
     return LlamaForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32).eval()
 
 
+def hf_rope_inv_freq(directory: str) -> torch.Tensor:
+    """transformers' own RoPE inverse frequencies ``[head_dim / 2]`` for a Llama directory: its reading of
+    ``config.json`` (``rope_parameters`` / ``rope_scaling``, ``rope_theta``) and its RoPE functions. The
+    import's streaming verification runs the Hugging Face side with these, so a RoPE config the project read
+    differently from transformers fails the logit check instead of passing on both sides."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    try:
+        config = LlamaConfig.from_pretrained(directory, local_files_only=True)
+        return LlamaRotaryEmbedding(config).inv_freq.float()
+    except Exception as e:  # transformers raises many types for a config it cannot use
+        raise CheckpointError(f"transformers cannot read {directory}/config.json ({type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0][:200]}); nothing was written") from None
+
+
 def check_logits(logits: torch.Tensor, reference: torch.Tensor, dtype: str, failure: str,
                  fix: str = "nothing was written") -> dict:
     """Compare ``logits`` with ``reference`` (same shape) under :data:`LOGIT_TOLERANCE` for ``dtype``

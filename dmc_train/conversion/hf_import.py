@@ -20,7 +20,9 @@ What :func:`import_hf` does, in order (nothing is left at ``out`` unless every s
    read back from ``<out>.importing``, compared under :data:`~dmc_train.conversion.LOGIT_TOLERANCE`.
    By default (``verify="streaming"``) both come from the plain-torch layer-by-layer forward
    (:func:`~dmc_train.models.llama_reference.streaming_logits`): the reference reads the Hugging Face
-   tensors by their own names, ours reads the checkpoint's fused tensors and splits them back
+   tensors by their own names and rotates with transformers' own RoPE frequencies for ``config.json``
+   (:func:`~dmc_train.conversion.hf_rope_inv_freq`: a RoPE setting read differently shows), ours reads
+   the checkpoint's fused tensors and splits them back
    (:func:`~dmc_train.models.llama_weights.megatron_to_hf`), so a layout error or a corrupt written
    tensor shows, and neither model is ever whole in memory. ``verify="full"`` instead compares
    transformers' ``LlamaForCausalLM`` with our megatron model reloaded by ``load_model`` (one model
@@ -41,7 +43,7 @@ from omegaconf import OmegaConf
 
 from dmc_train import distributed
 from dmc_train.config import kv_groups
-from dmc_train.conversion import check_logits, check_output, load_llama, verification_tokens
+from dmc_train.conversion import check_logits, check_output, hf_rope_inv_freq, load_llama, verification_tokens
 from dmc_train.data.tokenizer import load_tokenizer
 from dmc_train.errors import ConfigError, DataError
 from dmc_train.models.hf_config import model_config_from_hf
@@ -137,7 +139,7 @@ def verify_import(hf_dir: str, ckpt: str, dtype: str = "fp32", verify: str = "st
     if verify == "streaming":
         hf = read_hf_config(hf_dir)
         reference = streaming_logits(hf_fetch(HFWeights(hf_dir), bool(hf.get("tie_word_embeddings", False))),
-                                     cfg.model, tokens)
+                                     cfg.model, tokens, inv_freq=hf_rope_inv_freq(hf_dir))
         ours = streaming_logits(checkpoint_fetch(ckpt, cfg), cfg.model, tokens)
     else:  # one model in memory at a time: the HF reference is freed before ours is loaded
         reference = _hf_logits(hf_dir, tokens)

@@ -16,7 +16,8 @@ A cache (or attention) that numbers positions itself (LightCache: RoPE at window
 cache with ``prefill_chunk`` receives a prompt in chunks of that many tokens (continuation prefills).
 
 Per layer: RMSNorm -> fused q/k/v projection -> (DMC: decisions from the pre-RoPE decision channel,
-which is then zeroed) -> RoPE (rotate-half, as megatron-core and HF; for DMC ``rope_order=pre`` the
+which is then zeroed) -> RoPE (rotate-half, as megatron-core and HF, scaled by ``model.rope_scaling``
+(``llama3``, ``linear``) with the training model's frequencies; for DMC ``rope_order=pre`` the
 keys reach the cache un-rotated and it rotates the accumulated ones) -> the cache's attention ->
 output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: hidden ``[b, n, hidden]``,
 heads ``[b, H, n, d]``; decisions ``[b, H_kv, n]``.
@@ -26,19 +27,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from dmc_train.config import kv_groups
+from dmc_train.config import RopeScalingConfig, kv_groups, rope_scaling_of
 from dmc_train.distributed import without_cpu_compat_mode
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.methods.configs import DMCSettings
 from dmc_train.models.norm import rms_norm
+from dmc_train.models.rope import rope_angles, rope_inv_freq
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.dmc import decisions, rotate_half_rope
@@ -58,6 +60,7 @@ class ModelShape:
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
     max_positions: int = 2048
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # model.rope_scaling
 
     @property
     def head_dim(self) -> int:
@@ -67,7 +70,7 @@ class ModelShape:
     def from_config(cls, m: Any) -> "ModelShape":
         """From the project's ``cfg.model`` node."""
         return cls(m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, kv_groups(m),
-                   m.vocab_size, m.norm_epsilon, float(m.rotary_base), m.max_position_embeddings)
+                   m.vocab_size, m.norm_epsilon, float(m.rotary_base), m.max_position_embeddings, rope_scaling_of(m))
 
 
 def random_weights(shape: ModelShape, seed: int = 0, std: float = 0.2) -> dict[str, torch.Tensor]:
@@ -92,14 +95,20 @@ def random_weights(shape: ModelShape, seed: int = 0, std: float = 0.2) -> dict[s
     return w
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it);
-    angles in fp32, as megatron-core."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    freqs = positions.float()[..., None] * inv_freq  # [..., d/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return rotate_half_rope(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float,
+         scaling: Optional[RopeScalingConfig] = None) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it)
+    with base ``base`` and ``scaling`` (``model.rope_scaling``; None: unscaled); the frequencies of
+    :func:`~dmc_train.models.rope.rope_inv_freq`, angles in fp32, as megatron-core."""
+    cos, sin = rope_angles(positions, _inv_freq(x.shape[-1], float(base), scaling, x.device))
+    return rotate_half_rope(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+@functools.lru_cache(maxsize=32)
+def _inv_freq(head_dim: int, base: float, scaling: Optional[RopeScalingConfig], device: torch.device) -> torch.Tensor:
+    """:func:`~dmc_train.models.rope.rope_inv_freq` on ``device``, computed once per model (every layer and
+    decode step rotates; nothing writes into the returned tensor)."""
+    return rope_inv_freq(head_dim, base, scaling).to(device)
 
 
 class LlamaForInference:
@@ -208,12 +217,12 @@ class LlamaForInference:
             if self.keep is not None:  # zeroed before RoPE (as training) and in q after (channel unused)
                 q, k = q * self.keep, k * self.keep
             if not raw_qk:
-                q = rope(q, positions[:, None], s.rope_base)
+                q = rope(q, positions[:, None], s.rope_base, s.rope_scaling)
             if self.rotate_in_cache or raw_qk:  # DMC rope_order=pre: the cache rotates the accumulated keys;
                 # raw_qk (LightCache): q too, at the positions the cache gives them
-                info.rotate = functools.partial(rope, base=s.rope_base)
+                info.rotate = functools.partial(rope, base=s.rope_base, scaling=s.rope_scaling)
             else:
-                k = rope(k, positions[:, None], s.rope_base)
+                k = rope(k, positions[:, None], s.rope_base, s.rope_scaling)
             if self.keep is not None:
                 q = q * self.keep
             out = attend(i, q, k, v, info)

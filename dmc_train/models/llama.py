@@ -1,5 +1,6 @@
-"""Llama on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE, GQA (``num_query_groups``), no biases,
-untied embeddings.
+"""Llama on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE (optionally scaled, ``model.rope_scaling``:
+``llama3`` or ``linear``, frequencies from :mod:`dmc_train.models.rope`), GQA (``num_query_groups``), no
+biases, untied embeddings.
 
 The layer spec is ours (``llama_layer_spec``). An attention variant (e.g. :mod:`dmc_train.models.dmc`)
 is a ``ModuleSpec`` for ``self_attention`` that a method passes to ``build_model(cfg, attention=...)``;
@@ -23,6 +24,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, get_tr
 from dmc_train.config import kv_groups
 from dmc_train.models.attention import SDPACoreAttention
 from dmc_train.models.norm import RMSNorm
+from dmc_train.models.rope import model_inv_freq
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -143,7 +145,13 @@ def build_model(cfg: Any, attention: Optional[ModuleSpec] = None) -> list[GPTMod
             rotary_base=cfg.model.rotary_base,
             vp_stage=stage,
         ))
+    inv_freq = model_inv_freq(cfg.model)
     for chunk in chunks:
+        # megatron-core's RotaryEmbedding computes its angles from ``inv_freq`` (fp32, not a parameter or
+        # buffer: never cast, saved or loaded); the project's frequencies, scaled by model.rope_scaling,
+        # replace the unscaled ones it computed (equal to them without scaling). DMC's rope_order=pre
+        # rotates the accumulated keys with this same embedding.
+        chunk.rotary_pos_emb.inv_freq = inv_freq.clone()
         if config.bf16 or config.fp16:
             chunk.to(config.params_dtype)
     return chunks

@@ -12,20 +12,23 @@ the model size. The importer verifies what it wrote with it (the Hugging Face te
 checkpoint's) without holding either model.
 
 What it computes is transformers' ``LlamaForCausalLM`` without padding or cache: RMSNorm in fp32
-(``w * x / sqrt(mean(x^2) + eps)``), unscaled RoPE with ``rotate_half`` (``inv_freq = theta^(-2j/d)``,
-positions ``0..s-1``), causal attention with GQA (query head ``j`` reads KV head ``j // (heads /
-kv_heads)``, scale ``1/sqrt(d)``), SwiGLU ``down(silu(gate x) * up x)``, a final RMSNorm and ``lm_head``.
-``tests/conversion`` checks it against transformers on tiny models.
+(``w * x / sqrt(mean(x^2) + eps)``), RoPE with ``rotate_half`` at positions ``0..s-1`` (the model's
+frequencies, ``model.rope_scaling`` included, from :func:`~dmc_train.models.rope.model_inv_freq`, or the
+``inv_freq`` given: the importer passes transformers' own, so a misread RoPE config shows), causal
+attention with GQA (query head ``j`` reads KV head ``j // (heads / kv_heads)``, scale ``1/sqrt(d)``),
+SwiGLU ``down(silu(gate x) * up x)``, a final RMSNorm and ``lm_head``. ``tests/conversion`` checks it
+against transformers on tiny models.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from dmc_train.models.norm import rms_norm
+from dmc_train.models.rope import model_inv_freq, rope_angles
 from kernels.dmc import rotate_half_rope
 
 __all__ = ["streaming_logits", "layer_names"]
@@ -39,14 +42,6 @@ _LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj
 def layer_names(i: int) -> list[str]:
     """The Hugging Face names of layer ``i``'s nine tensors."""
     return [f"model.layers.{i}.{n}" for n in _LAYER]
-
-
-def _rope(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [seq, head_dim]`` of the unscaled rotary embedding (frequencies repeated for both halves)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.arange(seq).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
 
 
 def _layer(x: torch.Tensor, w: dict[str, torch.Tensor], heads: int, kv_heads: int, eps: float,
@@ -68,14 +63,16 @@ def _layer(x: torch.Tensor, w: dict[str, torch.Tensor], heads: int, kv_heads: in
 
 
 @torch.no_grad()
-def streaming_logits(fetch: Fetch, model: Any, tokens: torch.Tensor) -> torch.Tensor:
+def streaming_logits(fetch: Fetch, model: Any, tokens: torch.Tensor,
+                     inv_freq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits ``[b, s, vocab]`` (fp32) of the Llama whose tensors ``fetch`` gives, on ``tokens [b, s]``
-    (no padding). ``model`` is the ``model`` config node (layers, heads, KV groups, RoPE base, norm eps)."""
+    (no padding). ``model`` is the ``model`` config node (layers, heads, KV groups, RoPE base and scaling,
+    norm eps); ``inv_freq [head_dim / 2]`` replaces the RoPE frequencies it implies."""
     heads = model.num_attention_heads
     kv_heads = model.num_query_groups or heads
     eps = float(model.norm_epsilon)
     x = F.embedding(tokens, fetch(["model.embed_tokens.weight"])["model.embed_tokens.weight"].float())
-    cos, sin = _rope(tokens.shape[1], x.shape[-1] // heads, float(model.rotary_base))
+    cos, sin = rope_angles(torch.arange(tokens.shape[1]), model_inv_freq(model) if inv_freq is None else inv_freq)
     for i in range(model.num_layers):
         names = layer_names(i)
         got = fetch(names)

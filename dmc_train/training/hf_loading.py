@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 
 from dmc_train.config import kv_groups
 from dmc_train.errors import CheckpointError, ConfigError
-from dmc_train.models.hf_config import model_config_from_hf
+from dmc_train.models.hf_config import model_config_from_hf, rope_scaling_fields
 from dmc_train.models.llama_weights import hf_names, merge_fc1, merge_qkv
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -71,6 +71,8 @@ def check_hf_model_shape(hf_dir: str, cfg: Any) -> None:
     ours["num_query_groups"] = kv_groups(cfg.model)
     diffs = [f"{k}: config.json {theirs[k]} vs config {ours[k]}" for k in SHAPE_FIELDS
              if float(theirs[k]) != float(ours[k])]
+    if theirs["rope_scaling"] != rope_scaling_fields(cfg.model):
+        diffs.append(f"rope_scaling: config.json {theirs['rope_scaling']} vs config {rope_scaling_fields(cfg.model)}")
     if diffs:
         raise ConfigError(f"checkpoint.init_from={hf_dir} has a different model shape ({'; '.join(diffs)}); "
                           f"use the matching model config (checkpoints_tools/import_hf.py writes one)")

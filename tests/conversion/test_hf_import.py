@@ -118,9 +118,8 @@ def test_bad_inputs_fail_in_one_line_and_leave_nothing(hf_models, imported, tmp_
     cases = {
         "gpt2": _copy(hf_models / "gqa", tmp_path / "gpt2",
                       {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}),
-        "llama3_rope": _copy(hf_models / "gqa", tmp_path / "llama3_rope", {"rope_parameters": {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        "yarn_rope": _copy(hf_models / "gqa", tmp_path / "yarn_rope", {"rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 64}}),
         "truncated": _copy(hf_models / "mha_tied", tmp_path / "truncated"),
         "missing_shard": _copy(hf_models / "mha_tied", tmp_path / "missing_shard"),
         "no_weights": tmp_path / "no_weights",
@@ -140,7 +139,7 @@ def test_bad_inputs_fail_in_one_line_and_leave_nothing(hf_models, imported, tmp_
     res = json.loads((tmp_path / "err.json").read_text())
     expected = {
         "gpt2": "model_type='gpt2'",
-        "llama3_rope": "rope scaling of type 'llama3'",
+        "yarn_rope": "RoPE of type 'yarn'",
         "truncated": "model-00003-of-00005.safetensors cannot be read",
         "missing_shard": "model-00002-of-00005.safetensors is missing",
         "no_weights": "holds no weights",

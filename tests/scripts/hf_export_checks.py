@@ -108,8 +108,10 @@ def round_trip(work, name, tie, tokenizer=None):
                          rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=tie)
     original = {k: v.clone() for k, v in LlamaForCausalLM(hf_cfg).state_dict().items()}
     node = model_config_from_hf(hf_cfg.to_dict(), name=name)
+    rope = node.pop("rope_scaling")  # a node of its own: set field by field
     cfg = load_config(["+recipe=tiny_pretrain", f"run_dir={work}/{name}_run", f"data.tokenizer={tokenizer or 'null'}",
-                       *[f"model.{k}={'null' if v is None else v}" for k, v in node.items()]])
+                       *[f"model.{k}={'null' if v is None else v}" for k, v in node.items()],
+                       *[f"model.rope_scaling.{k}={v}" for k, v in rope.items()]])
     distributed.initialize(1, 1, None, cfg.train.seed)
     chunk = build_model(cfg)[0]
     missing, unexpected = chunk.load_state_dict(hf_to_megatron(original, 8, 2), strict=False)

@@ -1,0 +1,76 @@
+"""RoPE's inverse frequencies, unscaled or scaled (``model.rope_scaling``): the one place they are computed.
+
+    inv_freq = rope_inv_freq(head_dim, rotary_base, rope_scaling)   # [head_dim / 2], fp32
+    inv_freq = model_inv_freq(cfg.model)                            # the same, from the model node
+
+Every RoPE of the project takes its angles ``position * inv_freq`` (rotate-half convention, the
+frequencies repeated for both halves) from here: the training model (megatron-core's
+``RotaryEmbedding`` reads them from its ``inv_freq``, which :func:`dmc_train.models.llama.build_model`
+sets; DMC's ``rope_order=pre`` rotates with that same embedding), the inference engine
+(:func:`dmc_train.inference.model.rope`, the DMC cache's rotation of accumulated keys included) and the
+importer's layer-by-layer verification (:mod:`dmc_train.models.llama_reference`). Exported models run
+transformers' own RoPE from the ``rope_parameters`` the exporter writes
+(:func:`dmc_train.models.hf_config.rope_parameters`); the tests check that transformers computes
+these very frequencies, bit for bit, for every type.
+
+- ``none``: ``inv_freq_j = base^(-2j/d)``.
+- ``linear``: ``inv_freq / factor`` (position interpolation; megatron-core's ``seq_len_interpolation_factor``
+  divides the positions instead, the same angles up to rounding).
+- ``llama3`` (Llama 3.1 / 3.2 / 3.3): with ``L = original_max_position_embeddings`` and wavelength
+  ``2 pi / inv_freq``: kept below ``L / high_freq_factor``, divided by ``factor`` above ``L /
+  low_freq_factor``, and in between ``(1 - s) inv_freq / factor + s inv_freq`` with ``s = (L / wavelength -
+  low_freq_factor) / (high_freq_factor - low_freq_factor)``. The same operations, in the same order, as
+  transformers' ``_compute_llama3_parameters`` and megatron-core's ``RotaryEmbedding._apply_scaling``
+  (megatron-core's GPT model exposes only ``factor``, with 1 / 4 / 8192 fixed for the others; this
+  function takes all four, and for those values equals megatron's ``rope_scaling=True`` bit for bit).
+
+Torch only (no megatron import): the inference engine uses it without loading megatron.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dmc_train.config import RopeScalingConfig, rope_scaling_of
+
+__all__ = ["rope_inv_freq", "model_inv_freq", "rope_angles"]
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScalingConfig | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (fp32, CPU) of RoPE with base ``base`` and ``scaling``
+    (a :class:`~dmc_train.config.RopeScalingConfig`; None or type ``none``: unscaled)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = "none" if scaling is None else scaling.type
+    if kind == "none":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling.factor
+    if kind != "llama3":
+        raise ValueError(f"RoPE scaling type {kind!r} is not one of none, linear, llama3")
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def model_inv_freq(model: Any) -> torch.Tensor:
+    """:func:`rope_inv_freq` of a ``model`` config node (head_dim = hidden / heads, ``rotary_base``,
+    ``rope_scaling``)."""
+    return rope_inv_freq(model.hidden_size // model.num_attention_heads, float(model.rotary_base),
+                         rope_scaling_of(model))
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [..., d]`` (fp32) of ``positions [...]`` for the rotate-half convention: the angles
+    ``position * inv_freq`` repeated for both halves."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
