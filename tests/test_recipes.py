@@ -53,6 +53,33 @@ def test_retrofit_recipes_follow_the_paper_schedule(name):
         assert cfg.model.num_query_groups == 8  # GQA 8x + DMC 2x
 
 
+@pytest.mark.parametrize("name", ["llama3_8b", "dmc_llama3_8b", "gqa_llama3_8b"])
+def test_llama3_recipes_scale_the_paper_schedule_to_the_model(name):
+    """Llama 3.1 8B (llama3 RoPE scaling, 8 KV heads): the paper's settings and token budgets at Llama 3's
+    8192-token context, 512 x 8192 tokens per step = the paper's 1024 x 4096."""
+    from dmc_train.models.shape import count_parameters
+
+    cfg = load_config([f"+recipe={name}", "data.prefixes=[x]"])
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    assert (m.rotary_base, m.num_attention_heads, m.vocab_size, m.max_position_embeddings) == (500000, 32, 128256,
+                                                                                              131072)
+    assert dict(m.rope_scaling) == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}
+    assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad, o.lr, o.schedule) == (
+        0.9, 0.95, 1e-5, 0.1, 1.0, 3e-5, "constant")
+    assert (t.global_batch_size * t.seq_length, t.seq_length, t.precision) == (TOKENS_PER_STEP, 8192, "bf16")
+    validate(cfg, world_size=8)
+    if name == "dmc_llama3_8b":
+        d = cfg.method
+        assert cfg.method.name == "dmc" and d.target_cr == 2.0 and m.num_query_groups == 8  # GQA 4x + DMC 2x
+        assert (d.zero_out_steps, d.ramp_steps, d.finetune_steps, t.max_steps) == (250, 5722, 1907, 7879)
+    if name == "gqa_llama3_8b":
+        assert m.num_query_groups == 4 and t.max_steps == 7879
+        validate(load_config([f"+recipe={name}", "data.prefixes=[x]", "model.num_query_groups=2"]), world_size=8)
+    else:
+        assert count_parameters(m) == pytest.approx(8.03e9, rel=0.001)
+
+
 def test_unknown_key_is_rejected():
     with pytest.raises(Exception, match="nonexistent"):
         load_config(["+recipe=tiny_pretrain", "train.nonexistent=1"])

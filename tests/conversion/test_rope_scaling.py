@@ -150,6 +150,7 @@ def test_import_runs_and_exports_like_transformers(end_to_end, kind):
     # fp32 logits of the imported model over 96 positions (past the 32 original ones) = transformers'
     assert res["import_vs_transformers"] <= 1e-5 and res["past_original"] <= 1e-5
     assert res["megatron_inv_freq_equal"] and res["transformers_inv_freq_equal"]
+    assert all(end_to_end["megatron_llama31"].values())  # megatron's own llama3 switch: the same frequencies
     assert res["engine_forward_vs_transformers"] <= 1e-5
     assert res["unscaled_vs_transformers"] > 0.1  # the scaling matters: unscaled RoPE is far off
     assert res["exported_rope_parameters"]["rope_type"] == kind

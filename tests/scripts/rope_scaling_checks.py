@@ -13,6 +13,7 @@
 - ``mixed``: the llama3 directory with the hand-edited ``config.json`` of the issue (``rope_parameters``
   of type default with theta 500000 next to a llama3 ``rope_scaling``), which transformers reads as
   llama3 with theta 10000 (``rope_scaling`` replaces ``rope_parameters``): imported and compared likewise.
+- ``megatron_llama31``: megatron-core's own ``rope_scaling=True`` frequencies against the project's.
 - ``dmc``: a tiny DMC model (``rope_order=pre``, llama3 scaling over 16 original positions) trained 2
   steps, exported (the exporter checks the ``trust_remote_code`` model's logits against ours), its
   cached greedy ``generate`` against the engine's DMC cache, and the engine's teacher-forced forward
@@ -144,6 +145,23 @@ def mixed(hf_dir: str, out: str) -> dict:
             "import_vs_transformers": rel(logits(loaded.model, tokens).float(), theirs_model(tokens).logits)}
 
 
+def megatron_llama31() -> dict:
+    """megatron-core's own llama3 switch (``rope_scaling=True``, low / high / original fixed at 1 / 4 / 8192)
+    against the project's function with those parameters (Llama 3.1 8B's and 3.2 1B's heads)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from dmc_train.config import RopeScalingConfig
+    from dmc_train.models.rope import rope_inv_freq
+
+    out = {}
+    for head_dim, factor in ((128, 8.0), (64, 32.0)):
+        theirs = RotaryEmbedding(head_dim, 1.0, rotary_base=500000, rope_scaling=True, rope_scaling_factor=factor,
+                                 use_cpu_initialization=True).inv_freq
+        ours = rope_inv_freq(head_dim, 500000.0, RopeScalingConfig("llama3", factor, 1.0, 4.0, 8192))
+        out[f"{head_dim}_{factor}"] = bool(torch.equal(theirs, ours))
+    return out
+
+
 def dmc(run_dir: str, hf_dir: str) -> dict:
     from dmc_train.conversion.hf_export import export_hf
     from dmc_train.inference.model import LlamaForInference
@@ -189,6 +207,7 @@ def main(out_path: str, work: str) -> None:
     with open(os.path.join(mixed_dir, "config.json"), "w") as f:
         json.dump({**config, **MIXED}, f)
     res["mixed"] = mixed(mixed_dir, os.path.join(work, "mixed_ckpt"))
+    res["megatron_llama31"] = megatron_llama31()
     res["seconds"]["mixed"] = time.time() - start
     res["dmc"] = dmc(os.path.join(work, "dmc_run"), os.path.join(work, "dmc_hf"))
     res["seconds"]["dmc"] = time.time() - start
