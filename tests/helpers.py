@@ -18,7 +18,11 @@ def free_port() -> int:
 
 def run(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env: dict | None = None):
     """Run ``python <args>`` (or ``torchrun --nproc_per_node=nproc <args>``) from the repo root."""
-    full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
+    # a process group this pytest process set up (a test that loads a checkpoint in-process) leaves MASTER_PORT
+    # and friends behind: the subprocess picks its own
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE",
+                                                                    "LOCAL_RANK")}
+    full_env = {**inherited, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", *args]
