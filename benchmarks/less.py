@@ -70,7 +70,8 @@ def main() -> None:
     s, n = base.shape, cfg.train.seq_length
     less = {b: LlamaForInference.from_checkpoint(runs[b])[0] for b in args.budgets}  # the base + its kernels
     rank = less[args.budgets[0]].less.rank
-    extra = math.ceil((rank * s.head_dim + rank) / (2 * s.head_dim))  # H and z, in K+V entries (fp32 both)
+    # Baseline+: as many extra K+V entries as fit in the bytes of LESS's state (H and z; fp32 both), rounded down
+    extra = (rank * s.head_dim + rank) // (2 * s.head_dim)
 
     def ppl(budget: int, trained=None) -> float:
         scorer = build_scorer(args.policy, {"budget": budget}, s.head_dim, s.num_heads // s.num_kv_heads, base.scale)

@@ -6,7 +6,8 @@
 
 1. **speed**: a model shaped like ``base_tiny`` (4 layers, hidden 256, 8 heads, MHA) with random weights
    and 4,096+ positions. For each context length a batch of ``--batch`` prompts of that length is
-   prefilled, then ``--steps`` decode steps are timed (median step). Every policy holds ``--budget``
+   prefilled into every cache, then ``--steps`` decode steps are timed round robin over every
+   (context, cache) pair (median step; the machine's load hits every one alike). Every policy holds ``--budget``
    entries per (sequence, layer, KV head) whatever the context; the full cache holds the context.
    Printed per cache: step time per context, the ratio of the longest to the shortest context (goal
    <= 1.15 for a policy), the policy's step over the full cache's holding as many entries (the full
@@ -41,30 +42,34 @@ def speed(args) -> dict:
     model = LlamaForInference(shape, random_weights(shape), None, torch.float32)
     rows = args.batch * shape.num_layers * shape.num_kv_heads
     g = torch.Generator().manual_seed(0)
-    results = {}
-    for name in ["full", *POLICIES]:
-        options = {} if name == "full" else {"budget": args.budget}
-        per_context = {}
-        for context in args.contexts:
+    prompts = [torch.randint(0, shape.vocab_size, (longest,), generator=g) for _ in range(args.batch)]
+    names = ["full", *POLICIES]
+    caches = {}
+    for context in args.contexts:  # every cache of every context holds the same prompts
+        for name in names:
             pages = rows * (-(-(context + args.steps + 1) // 16))
-            pool = PagePool(pages, 16, shape.head_dim, rows, shape.max_positions)
-            cache = build_cache(name, pool, model, options)
-            seqs = list(range(args.batch))
-            for s in seqs:
+            cache = build_cache(name, PagePool(pages, 16, shape.head_dim, rows, shape.max_positions), model,
+                                {} if name == "full" else {"budget": args.budget})
+            for s in range(args.batch):
                 cache.add(s, args.steps)
-                model.prefill(cache, s, torch.randint(0, shape.vocab_size, (context,), generator=g))
-            times = []
-            for step in range(args.steps):
-                tokens = torch.randint(0, shape.vocab_size, (args.batch,), generator=g)
-                start = time.perf_counter()
-                model.decode(cache, seqs, tokens, torch.full((args.batch,), context + step))
-                times.append(time.perf_counter() - start)
-            held = cache.bytes_held(0)
-            per_context[context] = {"step_ms": 1e3 * statistics.median(times[2:]), "bytes": held["total"],
-                                    "state_bytes": held["state"]}
-            print(f"  {name:14s} context {context:5d}: {per_context[context]['step_ms']:.2f} ms/step "
-                  f"(batch {args.batch}), {held['total'] / 1024:.0f} KiB per sequence", flush=True)
-        results[name] = per_context
+                model.prefill(cache, s, prompts[s][:context])
+            caches[context, name] = cache
+        print(f"  prefilled {context} tokens x {args.batch} sequences into every cache", flush=True)
+    times = {key: [] for key in caches}
+    seqs = list(range(args.batch))
+    for step in range(args.steps):  # round robin over every (context, cache): the machine's load hits all alike
+        tokens = torch.randint(0, shape.vocab_size, (args.batch,), generator=g)
+        for (context, name), cache in caches.items():
+            start = time.perf_counter()
+            model.decode(cache, seqs, tokens, torch.full((args.batch,), context + step))
+            times[context, name].append(time.perf_counter() - start)
+    results = {name: {} for name in names}
+    for (context, name), cache in caches.items():
+        held = cache.bytes_held(0)
+        results[name][context] = {"step_ms": 1e3 * statistics.median(times[context, name][2:]),
+                                  "bytes": held["total"], "state_bytes": held["state"]}
+        print(f"  {name:14s} context {context:5d}: {results[name][context]['step_ms']:.2f} ms/step "
+              f"(batch {args.batch}), {held['total'] / 1024:.0f} KiB per sequence", flush=True)
     lo, hi = min(args.contexts), max(args.contexts)
     full_at_budget = results["full"].get(args.budget, {}).get("step_ms")
     print(f"\nstep time at {hi} / at {lo} tokens of context; step over the full cache holding {args.budget} "
