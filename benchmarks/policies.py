@@ -121,22 +121,26 @@ def perplexity(args) -> dict:
 
 
 def plot(results: dict, budgets: list[int], n: int, out: str) -> None:
+    """Perplexity vs compression, one line per policy; the right panel without the policies far above the
+    full cache, so the close ones can be told apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, by_budget in results.items():
-        if name == "full":
-            ax.axhline(next(iter(by_budget.values())), color="black", linestyle="--", label="full cache")
-            continue
-        ax.plot([n / b for b in budgets], [by_budget[str(b)] for b in budgets], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("compression (context / budget per KV head)")
-    ax.set_ylabel("test perplexity (teacher-forced decoding)")
-    ax.set_title("Eviction policies on base_tiny")
-    ax.legend()
+    full = next(iter(results["full"].values()))
+    close = [p for p in results if p != "full" and max(results[p].values()) < 1.5 * full]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, names in zip(axes, ([p for p in results if p != "full"], close)):
+        for name in names:
+            ax.plot([n / b for b in budgets], [results[name][str(b)] for b in budgets], marker="o", label=name)
+        ax.axhline(full, color="black", linestyle="--", label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compression (context / budget per KV head)")
+        ax.set_ylabel("test perplexity (teacher-forced decoding)")
+        ax.legend(fontsize=8)
+    axes[0].set_title("Eviction policies on base_tiny")
+    axes[1].set_title("the policies within 1.5x of the full cache")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"plot: {out}")
