@@ -126,6 +126,8 @@ class Engine:
                              dtype=model.dtype)
         self.cache_name, self.cache_options, self.max_batch = name, cache_options, max_batch
         self.cache = self.new_cache()
+        # a cache that numbers positions itself (LightCache: a window at its own positions) has no length limit
+        self.unbounded = bool(getattr(self.cache, "rope_in_cache", False))
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, Output] = {}
@@ -165,7 +167,8 @@ class Engine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-        self.model.check_tokens(torch.tensor(ids, dtype=torch.long)[None] if ids else torch.zeros(1, 0))
+        self.model.check_tokens(torch.tensor(ids, dtype=torch.long)[None] if ids else torch.zeros(1, 0),
+                                bounded=not self.unbounded)
         eos = getattr(self.tokenizer, "eos_id", None)
         req = _Request(self._next_id, ids, params, StopChecker(params, eos), make_generator(params))
         self._next_id += 1
@@ -246,7 +249,7 @@ class Engine:
         req.tokens.append(token)
         req.text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else ""
         done, reason, req.text = req.stop.check(token, req.text)
-        if not done and req.position + 1 >= self.model.shape.max_positions:
+        if not done and not self.unbounded and req.position + 1 >= self.model.shape.max_positions:
             done, reason = True, "max_positions"
         if done:
             self._finish(req, reason)

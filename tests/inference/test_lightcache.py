@@ -338,3 +338,18 @@ def test_trained_gqa_checkpoint_engine_generate_and_evaluate(gqa_run, tmp_path):
     proc = run([*base, "+eval.options.r_k=9"], check=False, env=port)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "r_k=9 must be in [1, 8]" in errors[0], proc.stderr[-2000:]
+
+
+def test_the_engine_generates_past_the_models_positions_with_lightcache(make_model):
+    """A prompt and a generation longer than the model's 128 positions: LightCache attends over a window at its
+    own positions, so the engine lifts the length limit for it (and keeps it for the other caches)."""
+    from dmc_train.errors import InferenceError
+    from dmc_train.inference.engine import Engine
+    from dmc_train.inference.sampling import SamplingParams
+
+    prompt = list(range(1, 48)) * 4  # 188 tokens
+    engine = Engine(make_model("full"), cache="lightcache", max_batch=2, local=16, top_k=2, segment=4)
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=100))[0]
+    assert out.error is None and len(out.tokens) == 100 and out.finish_reason == "length"
+    with pytest.raises(InferenceError, match="more than the model's 128 positions"):
+        Engine(make_model("full")).add_request(prompt)
