@@ -190,7 +190,7 @@ def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
 def test_unknown_method_is_rejected():
     with pytest.raises(Exception) as e:
         load_config(["+recipe=tiny_pretrain", "method=dmcc"])
-    assert "method/dmcc" in one_line(e.value) and "dmc fixed_pooling none" in one_line(e.value)
+    assert "method/dmcc" in one_line(e.value) and "dmc fixed_pooling less none" in one_line(e.value)
 
 
 def _qkv(heads, groups, d=3, hidden=5, seed=0):
