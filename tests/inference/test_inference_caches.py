@@ -20,12 +20,13 @@ def new_cache(model, num_pages=256, page_size=16):
     return DMCCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale, model.dmc)
 
 
-def teacher_forced_decode(model, cache, sequences, prompt_lens):
+def teacher_forced_decode(model, cache, sequences, prompt_lens, on_step=None):
     """Prefill each prompt, then feed the rest of every sequence in batched decode steps (ragged: a
-    sequence leaves the batch when it is done). Returns each sequence's logits ``[n, V]``."""
+    sequence leaves the batch when it is done). Returns each sequence's logits ``[n, V]``. ``on_step(i, t)``
+    runs after sequence i's token at position t went through the cache."""
     logits = []
     for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
-        cache.add(i)
+        cache.add(i, len(seq) - p)
         logits.append([model.prefill(cache, i, seq[:p])])
     pos = list(prompt_lens)
     while True:
@@ -36,6 +37,8 @@ def teacher_forced_decode(model, cache, sequences, prompt_lens):
                            torch.tensor([pos[i] for i in active]))
         for row, i in enumerate(active):
             logits[i].append(out[row: row + 1])
+            if on_step is not None:
+                on_step(i, pos[i])
             pos[i] += 1
 
 

@@ -19,6 +19,7 @@ from dmc_train.inference.sampling import SamplingParams
 from dmc_train.policies.lightcache import compress, decompress, select
 from tests.helpers import free_port, run
 from tests.inference.conftest import SHAPE
+from tests.inference.test_inference_caches import teacher_forced_decode
 
 D = SHAPE.head_dim  # 16
 SMALL = {"r_k": 2, "r_v": 8, "global": 4, "local": 8, "top_k": 2, "segment": 4}  # window 20, selection from token 12
@@ -40,28 +41,9 @@ def new_pool(model, num_pages=512, max_batch=4):
                     dtype=model.dtype)
 
 
-def decode_through_cache(model, cache, sequences, prompt_lens):
-    """Prefill each prompt (in the cache's chunks), then the rest token by token in ragged batched decode
-    steps; each sequence's logits ``[n, V]``."""
-    logits = []
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
-        cache.add(i)
-        logits.append([model.prefill(cache, i, seq[:p])])
-    pos = list(prompt_lens)
-    while True:
-        active = [i for i, seq in enumerate(sequences) if pos[i] < len(seq)]
-        if not active:
-            return [torch.cat(parts) for parts in logits]
-        out = model.decode(cache, active, torch.stack([sequences[i][pos[i]] for i in active]),
-                           torch.tensor([pos[i] for i in active]))
-        for row, i in enumerate(active):
-            logits[i].append(out[row: row + 1])
-            pos[i] += 1
-
-
 def assert_engine_matches_parallel(model, options, sequences, prompt_lens, atol=1e-4):
     cache = build_cache("lightcache", new_pool(model), model, options)
-    got = decode_through_cache(model, cache, sequences, prompt_lens)
+    got = teacher_forced_decode(model, cache, sequences, prompt_lens)
     lightcache = lightcache_for(model, options)
     for i, seq in enumerate(sequences):
         want = model.forward_with_policy(seq[None], lightcache, 0)[0]
@@ -106,7 +88,7 @@ def test_full_width_with_every_entry_selected_is_full_attention(make_model):
     # and through the engine (chunked prefill + decode), logits of the whole model
     seq = torch.randperm(SHAPE.vocab_size, generator=g)[:48]
     options = {"r_k": D, "r_v": D, "local": 8, "top_k": 64, "segment": 1, "chunk": 5}
-    got = decode_through_cache(model, build_cache("lightcache", new_pool(model), model, options), [seq], [13])[0]
+    got = teacher_forced_decode(model, build_cache("lightcache", new_pool(model), model, options), [seq], [13])[0]
     assert (got - model.forward(seq[None])[0]).abs().max() < 1e-4
 
 

@@ -14,6 +14,7 @@ from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams
 from dmc_train.policies import POLICIES, build_scorer
 from tests.inference.conftest import SHAPE, random_weights
+from tests.inference.test_inference_caches import teacher_forced_decode
 
 SCHEDULES = ["decode", "prefill"]
 BUDGET = 20
@@ -24,24 +25,14 @@ def new_pool(shape=SHAPE, num_pages=256):
 
 
 def decode_through_cache(model, cache, sequences, prompt_lens):
-    """Prefill each prompt, then feed the rest token by token in ragged batched decode steps. Returns each
-    sequence's logits ``[n, V]`` and, per (sequence, position), the kept positions ``[layers, H_kv, budget]``
-    right after that position's decode step."""
-    logits, kept = [], {}
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
-        cache.add(i, len(seq) - p)
-        logits.append([model.prefill(cache, i, seq[:p])])
-    pos = list(prompt_lens)
-    while True:
-        active = [i for i, seq in enumerate(sequences) if pos[i] < len(seq)]
-        if not active:
-            return [torch.cat(parts) for parts in logits], kept
-        out = model.decode(cache, active, torch.stack([sequences[i][pos[i]] for i in active]),
-                           torch.tensor([pos[i] for i in active]))
-        for row, i in enumerate(active):
-            logits[i].append(out[row: row + 1])
-            kept[i, pos[i]] = cache.positions[cache.rows[i]].clone()
-            pos[i] += 1
+    """:func:`teacher_forced_decode`, also returning, per (sequence, position), the kept positions
+    ``[layers, H_kv, budget]`` right after that position's decode step."""
+    kept = {}
+
+    def record(i, t):
+        kept[i, t] = cache.positions[cache.rows[i]].clone()
+
+    return teacher_forced_decode(model, cache, sequences, prompt_lens, record), kept
 
 
 def assert_engine_matches_parallel(model, policy, schedule, sequences, prompt_lens, budget=BUDGET):
