@@ -92,8 +92,7 @@ def evaluate_with_policy(cfg: Any, ckpt: str, meta: dict) -> dict:
     else:
         options = {"budget": e.budget, "schedule": e.schedule, **dict(e.options)}
         scorer = build_scorer(e.cache, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
-        budget = scorer.cfg.budget_entries(s.max_positions)
-        scorer.check_budget(budget)
+        budget = scorer.budget(s.max_positions)
     _, valid_data, test_data = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
     result = {"checkpoint": ckpt, "step": meta["step"], "cache": e.cache, "budget": budget,
               "schedule": e.schedule, "prompt_len": e.prompt_len}

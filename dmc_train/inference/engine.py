@@ -127,7 +127,7 @@ class Engine:
         self.cache_name, self.cache_options, self.max_batch = name, cache_options, max_batch
         self.cache = self.new_cache()
         # a cache that numbers positions itself (LightCache: a window at its own positions) has no length limit
-        self.unbounded = bool(getattr(self.cache, "rope_in_cache", False))
+        self.unbounded = self.cache.rope_in_cache
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, Output] = {}

@@ -273,8 +273,7 @@ class PolicyCache(Cache):
         hk = getattr(config, "num_key_value_heads", None) or h
         d = getattr(config, "head_dim", None) or config.hidden_size // h
         self.scorer = build_scorer(policy, options, d, h // hk, d ** -0.5)
-        self.budget = self.scorer.cfg.budget_entries(config.max_position_embeddings)
-        self.scorer.check_budget(self.budget)
+        self.budget = self.scorer.budget(config.max_position_embeddings)
         if getattr(self.scorer.cfg, "tau_schedule", None) == "paper" and max_new_tokens <= 0:
             raise ConfigError(f"{policy}'s tau_schedule='paper' needs the generation length: pass max_new_tokens= "
                               f"(as given to generate), or use tau_schedule='code'")

@@ -288,10 +288,10 @@ class LlamaForInference:
     def prefill(self, cache: KVCache, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
         """Write the prompt ``tokens [n]`` of a new sequence into ``cache`` in one pass (or in chunks of
         ``cache.prefill_chunk``); logits ``[n, V]``."""
-        raw = getattr(cache, "rope_in_cache", False)
+        raw = cache.rope_in_cache
         self.check_tokens(tokens[None], bounded=not raw)
         self.check_cache_type(cache)
-        chunk = getattr(cache, "prefill_chunk", None) or len(tokens)
+        chunk = cache.prefill_chunk or len(tokens)
         return torch.cat([self._run(tokens[None, i: i + chunk], torch.arange(i, min(i + chunk, len(tokens)))[None],
                                     lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info), raw)[0]
                           for i in range(0, len(tokens), chunk)])
@@ -306,7 +306,7 @@ class LlamaForInference:
             info = TokenInfo(info.positions[:, 0], alpha, omega, rotate=info.rotate)
             return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
 
-        return self._run(tokens[:, None], positions[:, None], attend, getattr(cache, "rope_in_cache", False))[:, 0]
+        return self._run(tokens[:, None], positions[:, None], attend, cache.rope_in_cache)[:, 0]
 
     # -- checks -----------------------------------------------------------------------------------
     def check_tokens(self, tokens: torch.Tensor, bounded: bool = True) -> None:

@@ -141,6 +141,12 @@ class Scorer:
         """``(n_sink, n_recent)`` never evicted at this budget (default: none)."""
         return 0, 0
 
+    def budget(self, context: int) -> int:
+        """The configured budget in entries for a model of ``context`` positions, checked against the fixed part."""
+        budget = self.cfg.budget_entries(context)
+        self.check_budget(budget)
+        return budget
+
     def check_budget(self, budget: int) -> None:
         sink, recent = self.fixed(budget)
         if budget < max(1, sink + recent):

@@ -17,7 +17,7 @@ from dmc_train.inference.model import LlamaForInference, ModelShape, random_weig
 from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams
 from dmc_train.policies.lightcache import compress, decompress, select
-from tests.helpers import free_port, run
+from tests.helpers import run
 from tests.inference.conftest import SHAPE
 from tests.inference.test_inference_caches import teacher_forced_decode
 
@@ -312,12 +312,11 @@ def test_trained_gqa_checkpoint_engine_generate_and_evaluate(gqa_run, tmp_path):
 
     base = ["launch/evaluate.py", "+recipe=tiny_pretrain", "model.num_query_groups=4", f"run_dir={gqa_run}",
             "eval.cache=lightcache", "eval.max_sequences=2"]
-    port = {"MASTER_PORT": str(free_port())}  # loading the checkpoint above set this process's
-    proc = run([*base, "+eval.options.local=16", "+eval.options.top_k=2", "+eval.options.segment=4"], env=port)
+    proc = run([*base, "+eval.options.local=16", "+eval.options.top_k=2", "+eval.options.segment=4"])
     assert "cache lightcache, budget 28" in proc.stdout
     result = json.loads((gqa_run / "eval_lightcache_28.json").read_text())
     assert result["valid_tokens"] == 2 * 64 and result["valid_ppl"] > 1
-    proc = run([*base, "+eval.options.r_k=9"], check=False, env=port)
+    proc = run([*base, "+eval.options.r_k=9"], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "r_k=9 must be in [1, 8]" in errors[0], proc.stderr[-2000:]
 

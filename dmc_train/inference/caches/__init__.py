@@ -61,7 +61,7 @@ def _policy(name: str) -> Callable[..., KVCache]:
         s = model.shape
         scorer = build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
         return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer,
-                             scorer.cfg.budget_entries(s.max_positions), s.max_positions)
+                             scorer.budget(s.max_positions), s.max_positions)
     return build
 
 
@@ -72,7 +72,7 @@ def _less(pool, model, options):
     scorer = build_scorer(w.policy, {**w.options, "budget": w.budget, **options}, s.head_dim,
                           s.num_heads // s.num_kv_heads, model.scale)
     return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer,
-                     scorer.cfg.budget_entries(s.max_positions), s.max_positions, w)
+                     scorer.budget(s.max_positions), s.max_positions, w)
 
 
 CACHES: dict[str, CacheEntry] = {"full": CacheEntry(_full, False), "dmc": CacheEntry(_dmc, True),

@@ -53,6 +53,8 @@ class KVCache:
 
     name = "base"
     needs_decisions = False  # True: the model must pass DMC decisions in TokenInfo
+    rope_in_cache = False  # True: q and k arrive before RoPE (the cache numbers positions itself: no length limit)
+    prefill_chunk: Optional[int] = None  # a prompt arrives in chunks of this many tokens (None: whole)
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float):
         self.pool, self.num_layers, self.num_kv_heads, self.scale = pool, num_layers, num_kv_heads, scale

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from dmc_train.inference.caches.evicting import EvictingCache
+from dmc_train.policies import PolicyConfig
 from kernels.less import less_combine, phi_k, phi_q
 
 
@@ -51,7 +52,7 @@ class LESSWeights:
         for name in [n for n in state if pattern.search(n)]:
             layer, key = pattern.search(name).groups()
             layers.setdefault(int(layer), {})[key] = state.pop(name).float()
-        budget = int(method.budget) if method.budget >= 1 else max(1, int(method.budget * context))
+        budget = PolicyConfig(budget=method.budget).budget_entries(context)
         return cls(method.policy, budget, dict(method.policy_options), [layers[i] for i in sorted(layers)])
 
 
