@@ -158,17 +158,17 @@ class LlamaForInference:
     # -- loading ----------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None) -> tuple["LlamaForInference", Any]:
-        """A checkpoint of this project (any saved TP/PP layout) -> ``(model, loaded)``; ``loaded`` is the
-        :class:`~dmc_train.training.model_loading.LoadedModel` (config, meta). DMC and Fixed Memory Pooling
-        checkpoints get their :class:`DMCSettings`."""
+        """A checkpoint of this project (any saved TP/PP layout) -> ``(model, saved)``; ``saved`` is the
+        :class:`~dmc_train.training.model_state.SavedRun` (config, checkpoint, meta). DMC and Fixed Memory
+        Pooling checkpoints get their :class:`DMCSettings`. The weights are read from the files in this
+        process: no megatron model, no process group, no environment variable set."""
         from dmc_train.methods import METHODS
         from dmc_train.methods.configs import dmc_settings
         from dmc_train.models.llama_weights import megatron_to_hf
-        from dmc_train.training.model_loading import load_model
+        from dmc_train.training.model_state import read_model_state
 
-        loaded = load_model(checkpoint)
+        state, loaded = read_model_state(checkpoint)
         shape = ModelShape.from_config(loaded.cfg.model)
-        state = {k: v for k, v in loaded.model[0].state_dict().items() if isinstance(v, torch.Tensor)}
         dmc, less, cache = None, None, METHODS[loaded.cfg.method.name].cache  # the method declares its cache
         if cache == "less":  # the method's own modules, beside the Llama weights
             less = LESSWeights.pop_from(state, loaded.cfg.method, shape.max_positions)

@@ -21,22 +21,51 @@ def runs(tmp_path_factory):
     run([*TRAIN, "method=dmc", "method.init_offset=0.0", "method.rope_order=pre", "method.accumulation=window",
          "method.window=3", "model.num_query_groups=4", "train.max_steps=2", f"run_dir={root / 'dmc_pre'}"])
     run([*TRAIN, "model.num_query_groups=4", "train.max_steps=2", f"run_dir={root / 'gqa'}"])
+    # saved at TP=2: the inference model reads the global tensors from the files, whatever layout wrote them
+    run([*TRAIN, "method=dmc", "method.init_offset=0.0", "model.num_query_groups=4", "parallel.tensor=2",
+         "train.max_steps=2", f"run_dir={root / 'dmc_tp2'}"], nproc=2)
     return root
 
 
 def test_inference_model_and_cache_match_the_training_model(runs, tmp_path):
-    res = run_json(["tests/scripts/inference_checks.py", str(runs / "dmc"), str(runs / "dmc_pre"), str(runs / "gqa")],
+    names = ("dmc", "dmc_pre", "gqa", "dmc_tp2")
+    res = run_json(["tests/scripts/inference_checks.py", *(str(runs / name) for name in names)],
                    str(tmp_path / "out.json"))
-    dmc, pre, gqa = (res[str(runs / name)] for name in ("dmc", "dmc_pre", "gqa"))
-    for r in (dmc, pre, gqa):
+    dmc, pre, gqa, tp2 = (res[str(runs / name)] for name in names)
+    for r in (dmc, pre, gqa, tp2):
         assert r["forward_vs_training"] < 1e-4
         assert r["engine_vs_training"] < 1e-4  # prefill + ragged batched decode, fp32
-    for r in (dmc, pre):  # GQA + DMC, rope_order=pre with window accumulation too
+    for r in (dmc, pre, tp2):  # GQA + DMC, rope_order=pre with window accumulation too, saved at TP=2
         assert r["entries"] == r["algorithm1"]  # [sequence][layer][KV head]
     counts = [c for seq in dmc["entries"] for layer in seq for c in layer]
     assert 1 < min(counts) and max(counts) < 48  # compressed, and not to a single slot
     assert {c for seq in gqa["entries"] for layer in seq for c in layer} == {48}
     assert len(gqa["entries"][0][0]) == 4  # GQA: one row per KV group
+
+
+def test_an_engine_leaves_its_process_as_it_found_it(runs, tmp_path):
+    """Engine.from_checkpoint starts no process group and sets no environment variable (MASTER_PORT left
+    behind made a child launch/generate.py fail with EADDRINUSE); a child inheriting the environment as it
+    is then generates."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from dmc_train.inference import Engine, SamplingParams
+    from tests.helpers import ROOT
+
+    before = dict(os.environ)
+    engine = Engine.from_checkpoint(str(runs / "dmc_tp2"))
+    assert dict(os.environ) == before
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    assert len(engine.generate([[5, 17, 42]], SamplingParams(max_new_tokens=3))[0].tokens) == 3
+    proc = subprocess.run([sys.executable, "launch/generate.py", "--checkpoint", str(runs / "gqa"), "--prompt", "5 17",
+                           "--token-ids", "--max-new-tokens", "2"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_generate_command_streams_and_reports_compression(runs, tmp_path):

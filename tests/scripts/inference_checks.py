@@ -22,10 +22,12 @@ def main(out_path: str, *run_dirs: str) -> None:
     from dmc_train.inference.pool import PagePool
     from dmc_train.models.dmc.attention import DMCCoreAttention
     from dmc_train.training.forward import logits as training_logits
+    from dmc_train.training.model_loading import load_model
 
     res = {}
     for run_dir in run_dirs:
-        model, loaded = LlamaForInference.from_checkpoint(run_dir)
+        model, saved = LlamaForInference.from_checkpoint(run_dir)  # read from the files, no process group
+        loaded = load_model(run_dir)  # the training model (megatron-core, TP=1 whatever layout saved it)
         s = model.shape
         tokens = (torch.arange(len(PROMPTS) * LENGTHS).reshape(len(PROMPTS), LENGTHS) * 7919 + 11) % s.vocab_size
         alphas = []
@@ -44,7 +46,7 @@ def main(out_path: str, *run_dirs: str) -> None:
             for row, i in enumerate(active):
                 steps[i].append(out[row: row + 1])
         cached = torch.stack([torch.cat(parts) for parts in steps])
-        entry = {"method": loaded.cfg.method.name,
+        entry = {"method": saved.cfg.method.name,
                  "forward_vs_training": (forward - train).abs().max().item(),
                  "engine_vs_training": (cached - train).abs().max().item(),
                  "entries": torch.stack([cache.entries(i) for i in range(len(PROMPTS))]).tolist()}
