@@ -130,17 +130,24 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    """``launch/evaluate.py`` with a cache: ``eval.cache=h2o eval.budget=0.25`` evaluates held-out perplexity
-    when every sequence is decoded token by token under that eviction policy (``model``: the checkpoint's
-    own attention). ``prompt_len``: tokens prefilled with full attention first; ``max_sequences``: the
-    first N sequences of each split (0: all); ``options``: the policy's own options
-    (``+eval.options.recent_fraction=0.3``)."""
+    """``launch/evaluate.py``: ``cache=model`` (default) evaluates the checkpoint as trained, at its parallel
+    layout (megatron); any cache of the inference engine (``auto``: the checkpoint's own, ``full``, ``dmc``,
+    an eviction policy such as ``h2o``, ``lightcache``, ``less``) runs the evaluation harness
+    (``dmc_train/evaluation/harness.py``): perplexity and next-token accuracy when every sequence is decoded
+    with that cache, the same for ``incremental_sequences`` sequences decoded for real by the engine, the KV
+    bytes held per token, and decode throughput at a KV budget of ``kv_budget_seqs`` uncompressed
+    sequences (0: not measured). ``budget``: a policy's entries per (sequence, layer, KV head), or a fraction
+    of the context (None: 0.25 for a policy; LESS: the budget it was trained at); ``schedule``: the policy's
+    ``decode`` or ``prefill``; ``prompt_len``: tokens prefilled first; ``max_sequences``: the first N
+    sequences of each split (0: all); ``options``: the cache's own options (``+eval.options.recent_fraction=0.3``)."""
 
     cache: str = "model"
-    budget: float = 0.25
+    budget: Optional[float] = None
     schedule: str = "decode"
     prompt_len: int = 1
     max_sequences: int = 0
+    incremental_sequences: int = 4
+    kv_budget_seqs: int = 8
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,14 +1,20 @@
-"""Evaluate a run's checkpoint: held-out perplexity (valid/test) beside the unigram baseline.
+"""Evaluate a run's checkpoint: held-out perplexity beside the unigram baseline, or, with a cache of the
+inference engine, the evaluation harness (perplexity, accuracy, KV bytes held, decode throughput).
 
     python launch/evaluate.py +recipe=base_tiny                       # the run's latest checkpoint
     python launch/evaluate.py +recipe=base_tiny checkpoint.resume=runs/base_tiny/checkpoints/iter_0000400
     python -m launch.evaluate +recipe=base_tiny                       # same, from an installed package
     python launch/evaluate.py +recipe=base_tiny eval.cache=h2o eval.budget=0.25 eval.max_sequences=64
+    python launch/evaluate.py +recipe=dmc_tiny eval.cache=auto        # a DMC run with its own cache
+    python launch/evaluate.py --compare runs/base_tiny/eval_full.json runs/base_tiny/eval_h2o_64.json
 
-Writes <run_dir>/eval.json; with an eviction policy (``eval.cache``: h2o, tova, streaming_llm, keyformer,
-lsh_e, knorm) the perplexity of decoding every sequence token by token at ``eval.budget`` entries per
-(sequence, layer, KV head), in <run_dir>/eval_<policy>_<budget>.json.
+Writes <run_dir>/eval.json; with ``eval.cache`` (``auto`` = the checkpoint's own cache, ``full``, ``dmc``,
+an eviction policy ``h2o``/``tova``/``streaming_llm``/``keyformer``/``lsh_e``/``knorm`` at ``eval.budget``,
+``lightcache``, ``less``) <run_dir>/eval_<cache>[_<budget>].json and a markdown row (docs/EVALUATION.md).
+``--compare`` prints the rows of several result files side by side (Δ against the first).
 """
+
+import sys
 
 from dmc_train import cli
 
@@ -19,7 +25,11 @@ def evaluate_app(cfg) -> None:
 
     def run():
         r = evaluate_checkpoint(cfg)
-        if distributed.is_rank0():
+        if distributed.is_rank0() and "test" in r and isinstance(r["test"], dict):  # the harness: a table row
+            from dmc_train.evaluation.report import markdown_table, run_name
+
+            print(markdown_table([{**r, "name": run_name(r["checkpoint"])}]))
+        elif distributed.is_rank0():
             cache = f"; cache {r['cache']}, budget {r['budget']} ({r['schedule']})" if "cache" in r else ""
             print(f"checkpoint {r['checkpoint']} (step {r['step']}){cache}")
             for split in ("valid", "test"):
@@ -34,7 +44,18 @@ def evaluate_app(cfg) -> None:
     distributed.shutdown()
 
 
+def compare(paths: list[str]) -> None:
+    from dmc_train.evaluation.report import load_result, markdown_table
+
+    print(markdown_table([load_result(p) for p in paths]))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--compare"]:
+        if len(sys.argv) < 3:
+            cli.fail("--compare needs result files: launch/evaluate.py --compare runs/a/eval_full.json ...")
+        cli.run_reporting_errors(lambda: compare(sys.argv[2:]))
+        return
     cli.hydra_main(evaluate_app)
 
 

@@ -21,7 +21,7 @@ def resolve_checkpoint(cfg: Any) -> str:
     if resume == "none":
         raise CheckpointError("checkpoint.resume=none names no checkpoint to evaluate; use auto (the run's latest) "
                               "or a checkpoint directory")
-    ckpt = ckpt_mod.read_latest(ckpt_mod.checkpoint_root(cfg)) if resume == "auto" else resume
+    ckpt = ckpt_mod.read_latest(ckpt_mod.checkpoint_root(cfg)) if resume == "auto" else ckpt_mod.find_checkpoint(resume)
     if ckpt is None:
         raise CheckpointError(f"no checkpoint in {ckpt_mod.checkpoint_root(cfg)}; train first "
                               f"(launch/pretrain.py) or pass checkpoint.resume=<checkpoint dir>")
@@ -31,11 +31,8 @@ def resolve_checkpoint(cfg: Any) -> str:
 def evaluate_checkpoint(cfg: Any) -> dict:
     """Perplexity on every full global batch of the valid and test splits; writes ``eval.json``.
 
-    With ``eval.cache=<policy>`` (an eviction policy of ``dmc_train.policies``) the perplexity is that of
-    decoding every sequence token by token at ``eval.budget`` (teacher-forced with the policy's parallel
-    form, :func:`evaluate_with_policy`) and the file is ``eval_<policy>_<budget>.json``. With
-    ``eval.cache=lightcache`` (options in ``eval.options``; ``eval.budget`` unused) the budget in the file
-    name is LightCache's window.
+    With ``eval.cache=<cache>`` (any cache of the inference engine, ``auto`` = the checkpoint's own) the
+    evaluation harness runs instead (:func:`evaluate_with_cache`).
 
     Returns ``{"checkpoint", "step", "<split>_loss", "<split>_ppl", "<split>_unigram_ppl"}`` and the
     method's evaluation metrics per split (DMC: ``<split>_achieved_cr``, per layer and per head).
@@ -44,7 +41,7 @@ def evaluate_checkpoint(cfg: Any) -> dict:
     ckpt = resolve_checkpoint(cfg)
     meta = ckpt_mod.read_meta(ckpt)
     if cfg.eval.cache != "model":
-        return evaluate_with_policy(cfg, ckpt, meta)
+        return evaluate_with_cache(cfg, ckpt, meta)
     out_path = os.path.join(cfg.run_dir, "eval.json")
     if os.path.exists(out_path):
         with open(out_path) as f:
@@ -72,38 +69,51 @@ def evaluate_checkpoint(cfg: Any) -> dict:
     return result
 
 
-def evaluate_with_policy(cfg: Any, ckpt: str, meta: dict) -> dict:
-    """Held-out perplexity under the eviction policy ``cfg.eval.cache`` (one process, the inference model)."""
-    from dmc_train.evaluation.policy_perplexity import policy_loss
+def cache_options(e: Any, cache: str) -> dict[str, Any]:
+    """The engine's options for ``cache`` from the ``eval`` config node: ``eval.options``, and for an eviction
+    policy its budget (default 0.25 of the context) and schedule; LESS takes ``eval.budget`` when given."""
+    from dmc_train.policies import POLICIES
+
+    options = dict(e.options)
+    if cache in POLICIES:
+        options = {"budget": 0.25 if e.budget is None else e.budget, "schedule": e.schedule, **options}
+    elif cache == "less" and e.budget is not None:
+        options = {"budget": e.budget, **options}
+    return options
+
+
+def evaluate_with_cache(cfg: Any, ckpt: str, meta: dict) -> dict:
+    """The evaluation harness (:func:`~dmc_train.evaluation.harness.evaluate_cache`) for the checkpoint with
+    the engine's cache ``cfg.eval.cache`` on the valid and test splits (one process, the inference model).
+    Writes ``eval_<cache>[_<budget>].json``: the harness's measures per split under ``valid`` / ``test`` and
+    ``<split>_loss``, ``<split>_ppl``, ``<split>_accuracy``, ``<split>_tokens`` beside them."""
+    from dmc_train.evaluation.harness import evaluate_cache
+    from dmc_train.inference.caches import cache_budget
     from dmc_train.inference.model import LlamaForInference
-    from dmc_train.policies import build_scorer
 
     e = cfg.eval
     model, _ = LlamaForInference.from_checkpoint(ckpt)
-    s = model.shape
-    if model.dmc is not None:
-        raise CheckpointError(f"eval.cache={e.cache} is an eviction policy for vanilla and GQA checkpoints; {ckpt} "
-                              f"is a DMC model (evaluate it with eval.cache=model)")
-    if e.cache == "lightcache":  # not an eviction scorer: its own parallel form, its window as the budget
-        from dmc_train.inference.caches.lightcache import lightcache_for
-
-        scorer = lightcache_for(model, dict(e.options))
-        budget = scorer.settings.window
-    else:
-        options = {"budget": e.budget, "schedule": e.schedule, **dict(e.options)}
-        scorer = build_scorer(e.cache, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
-        budget = scorer.budget(s.max_positions)
+    cache = model.default_cache if e.cache == "auto" else e.cache
+    if model.dmc is not None and cache not in ("dmc", "full"):
+        raise CheckpointError(f"eval.cache={cache} is a cache for vanilla and GQA checkpoints; {ckpt} is a DMC model "
+                              f"(evaluate it with eval.cache=model)")
+    options = cache_options(e, cache)
+    budget = cache_budget(cache, model, options)
     _, valid_data, test_data = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
-    result = {"checkpoint": ckpt, "step": meta["step"], "cache": e.cache, "budget": budget,
-              "schedule": e.schedule, "prompt_len": e.prompt_len}
+    result = {"checkpoint": ckpt, "step": meta["step"], "cache": cache, "budget": budget, "schedule": e.schedule,
+              "prompt_len": e.prompt_len}
     for split, data in (("valid", valid_data), ("test", test_data)):
         if data is None:
             continue
-        r = policy_loss(model, data, scorer, budget, e.prompt_len, cfg.train.micro_batch_size, e.max_sequences,
-                        progress=lambda line: print(line, flush=True) if distributed.is_rank0() else None)
-        result[f"{split}_loss"], result[f"{split}_ppl"], result[f"{split}_tokens"] = r["loss"], r["ppl"], r["tokens"]
+        r = evaluate_cache(model, data, cache, options, e.prompt_len, e.max_sequences, cfg.train.micro_batch_size,
+                           e.incremental_sequences, e.kv_budget_seqs if split == "test" else 0,
+                           progress=lambda line: print(line, flush=True) if distributed.is_rank0() else None)
+        result[split] = r
+        for key in ("loss", "ppl", "accuracy", "tokens"):
+            result[f"{split}_{key}"] = r[key]
     if distributed.is_rank0():
-        _write_json(result, os.path.join(cfg.run_dir, f"eval_{e.cache}_{budget}.json"))
+        _write_json(result, os.path.join(cfg.run_dir, f"eval_{cache}" + ("" if budget is None else f"_{budget}")
+                                         + ".json"))
     return result
 
 

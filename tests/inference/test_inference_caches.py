@@ -5,6 +5,7 @@ updates write."""
 import pytest
 import torch
 
+from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import DMCCache, FullCache
 from dmc_train.inference.pool import PagePool
 from tests.inference.conftest import SHAPE
@@ -18,28 +19,6 @@ def new_cache(model, num_pages=256, page_size=16):
     if model.dmc is None:
         return FullCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale)
     return DMCCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale, model.dmc)
-
-
-def teacher_forced_decode(model, cache, sequences, prompt_lens, on_step=None):
-    """Prefill each prompt, then feed the rest of every sequence in batched decode steps (ragged: a
-    sequence leaves the batch when it is done). Returns each sequence's logits ``[n, V]``. ``on_step(i, t)``
-    runs after sequence i's token at position t went through the cache."""
-    logits = []
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
-        cache.add(i, len(seq) - p)
-        logits.append([model.prefill(cache, i, seq[:p])])
-    pos = list(prompt_lens)
-    while True:
-        active = [i for i, seq in enumerate(sequences) if pos[i] < len(seq)]
-        if not active:
-            return [torch.cat(parts) for parts in logits]
-        out = model.decode(cache, active, torch.stack([sequences[i][pos[i]] for i in active]),
-                           torch.tensor([pos[i] for i in active]))
-        for row, i in enumerate(active):
-            logits[i].append(out[row: row + 1])
-            if on_step is not None:
-                on_step(i, pos[i])
-            pos[i] += 1
 
 
 def capture_decisions(model):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dmc_train.errors import InferenceError
+from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import TokenInfo, build_cache, causal_attention
 from dmc_train.inference.caches.lightcache import lightcache_for
 from dmc_train.inference.engine import Engine
@@ -19,7 +20,6 @@ from dmc_train.inference.sampling import SamplingParams
 from dmc_train.policies.lightcache import compress, decompress, select
 from tests.helpers import run
 from tests.inference.conftest import SHAPE
-from tests.inference.test_inference_caches import teacher_forced_decode
 
 D = SHAPE.head_dim  # 16
 SMALL = {"r_k": 2, "r_v": 8, "global": 4, "local": 8, "top_k": 2, "segment": 4}  # window 20, selection from token 12

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmc_train.errors import InferenceError
+from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import build_cache
 from dmc_train.inference.engine import Engine
 from dmc_train.inference.model import LlamaForInference, ModelShape
@@ -14,7 +15,6 @@ from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams
 from dmc_train.policies import POLICIES, build_scorer
 from tests.inference.conftest import SHAPE, random_weights
-from tests.inference.test_inference_caches import teacher_forced_decode
 
 SCHEDULES = ["decode", "prefill"]
 BUDGET = 20

@@ -17,7 +17,7 @@ makes the cache from the model (shape, scale, DMC settings) and the user's optio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches.base import KVCache, TokenInfo
@@ -25,16 +25,20 @@ from dmc_train.inference.caches.dmc import DMCCache, teacher_forced_dmc
 from dmc_train.inference.caches.evicting import EvictingCache
 from dmc_train.inference.caches.full import FullCache, causal_attention
 from dmc_train.inference.caches.less import LESSCache, LESSWeights
-from dmc_train.inference.caches.lightcache import PagedLightCache
+from dmc_train.inference.caches.lightcache import PagedLightCache, lightcache_for
 from dmc_train.policies import POLICIES, build_scorer
 
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """``build(pool, model, options) -> KVCache``; ``dmc``: True = DMC checkpoints only, False = not on them;
-    ``needs``: the model attribute it cannot run without (``less``: a LESS checkpoint's kernels)."""
+    """``build(pool, model, options) -> KVCache``; ``parallel(model, options) -> forward(tokens [b, n],
+    prompt_len) -> logits [b, n, V]``: the cache's teacher-forced (parallel) form, what the engine computes
+    when the first ``prompt_len`` tokens are prefilled and the rest decoded one by one with this cache;
+    ``dmc``: True = DMC checkpoints only, False = not on them; ``needs``: the model attribute it cannot run
+    without (``less``: a LESS checkpoint's kernels)."""
 
     build: Callable[..., KVCache]
+    parallel: Callable[..., Callable[[Any, int], Any]]
     dmc: bool
     needs: str = ""
 
@@ -56,29 +60,64 @@ def _dmc(pool, model, options):
     return DMCCache(pool, s.num_layers, s.num_kv_heads, model.scale, settings=model.dmc)
 
 
+def _own_forward(name: str) -> Callable[..., Callable]:
+    """The model's plain teacher-forced forward (full attention; DMC: its hard decisions, Algorithm 1's result)."""
+    def parallel(model, options):
+        _no_options(name, options)
+        return lambda tokens, prompt_len=1: model.forward(tokens)
+    return parallel
+
+
+def _scorer(name: str, model, options):
+    s = model.shape
+    scorer = build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
+    return scorer, scorer.budget(s.max_positions)
+
+
 def _policy(name: str) -> Callable[..., KVCache]:
     def build(pool, model, options):
         s = model.shape
-        scorer = build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
-        return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer,
-                             scorer.budget(s.max_positions), s.max_positions)
+        scorer, budget = _scorer(name, model, options)
+        return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, budget, s.max_positions)
     return build
 
 
-def _less(pool, model, options):
+def _policy_parallel(name: str) -> Callable[..., Callable]:
+    def parallel(model, options):
+        scorer, budget = _scorer(name, model, options)
+        return lambda tokens, prompt_len=1: model.forward_with_policy(tokens, scorer, budget, prompt_len)
+    return parallel
+
+
+def _less_scorer(model, options):
     """A LESS checkpoint's policy and budget; ``options`` may change them (a LESS trained at one budget runs at
     another: the paper's transfer rows)."""
-    s, w = model.shape, model.less
-    scorer = build_scorer(w.policy, {**w.options, "budget": w.budget, **options}, s.head_dim,
-                          s.num_heads // s.num_kv_heads, model.scale)
-    return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer,
-                     scorer.budget(s.max_positions), s.max_positions, w)
+    w = model.less
+    return _scorer(w.policy, model, {**w.options, "budget": w.budget, **options})
 
 
-CACHES: dict[str, CacheEntry] = {"full": CacheEntry(_full, False), "dmc": CacheEntry(_dmc, True),
-                                 **{name: CacheEntry(_policy(name), False) for name in POLICIES},
-                                 "less": CacheEntry(_less, False, needs="less"),
-                                 "lightcache": CacheEntry(PagedLightCache.build, False)}
+def _less(pool, model, options):
+    s = model.shape
+    scorer, budget = _less_scorer(model, options)
+    return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, budget, s.max_positions, model.less)
+
+
+def _less_parallel(model, options):
+    scorer, budget = _less_scorer(model, options)
+    return lambda tokens, prompt_len=1: model.forward_with_policy(tokens, scorer, budget, prompt_len, less=model.less)
+
+
+def _lightcache_parallel(model, options):
+    rule = lightcache_for(model, options)
+    return lambda tokens, prompt_len=1: model.forward_with_attention(tokens, rule.parallel_attention, raw_qk=True)
+
+
+CACHES: dict[str, CacheEntry] = {
+    "full": CacheEntry(_full, _own_forward("full"), False),
+    "dmc": CacheEntry(_dmc, _own_forward("dmc"), True),
+    **{name: CacheEntry(_policy(name), _policy_parallel(name), False) for name in POLICIES},
+    "less": CacheEntry(_less, _less_parallel, False, needs="less"),
+    "lightcache": CacheEntry(PagedLightCache.build, _lightcache_parallel, False)}
 
 
 def check_cache(name: str, model: Any) -> None:
@@ -98,14 +137,37 @@ def check_cache(name: str, model: Any) -> None:
 
 def build_cache(name: str, pool, model: Any, options: dict[str, Any]) -> KVCache:
     """The cache ``name`` for ``model`` on ``pool`` with ``options`` (one-line errors for bad ones)."""
+    return _checked(name, model, lambda: CACHES[name].build(pool, model, dict(options)))
+
+
+def teacher_forced(name: str, model: Any, options: dict[str, Any]) -> Callable[..., Any]:
+    """The parallel form of the cache ``name`` for ``model``: ``forward(tokens [b, n], prompt_len=1) -> logits
+    [b, n, V]``, equal to decoding with the cache (``tests/inference``); one-line errors for bad options."""
+    return _checked(name, model, lambda: CACHES[name].parallel(model, dict(options)))
+
+
+def cache_budget(name: str, model: Any, options: dict[str, Any]) -> Optional[int]:
+    """What bounds the cache ``name`` per (sequence, layer, KV head): a policy's (or LESS's) budget in entries,
+    LightCache's attention window; None for ``full`` and ``dmc``."""
+    if name == "lightcache":
+        return _checked(name, model, lambda: lightcache_for(model, dict(options)).settings.window)
+    if name == "less":
+        return _checked(name, model, lambda: _less_scorer(model, dict(options))[1])
+    if name in POLICIES:
+        return _checked(name, model, lambda: _scorer(name, model, dict(options))[1])
+    return None
+
+
+def _checked(name: str, model: Any, make: Callable[[], Any]) -> Any:
     from dmc_train.errors import ConfigError
 
     check_cache(name, model)
     try:
-        return CACHES[name].build(pool, model, dict(options))
+        return make()
     except ConfigError as e:
         raise InferenceError(str(e)) from None
 
 
-__all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "LESSCache", "LESSWeights", "PagedLightCache",
-           "TokenInfo", "build_cache", "causal_attention", "check_cache", "teacher_forced_dmc"]
+__all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "LESSCache", "LESSWeights",
+           "PagedLightCache", "TokenInfo", "build_cache", "cache_budget", "causal_attention", "check_cache",
+           "teacher_forced", "teacher_forced_dmc"]

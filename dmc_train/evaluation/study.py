@@ -1,0 +1,275 @@
+"""The equal-memory study: every method of the project on one base model, each at the same fraction of the
+uncompressed KV bytes, measured by the evaluation harness (``harness.py``).
+
+A study is a list of independent **cells** (:class:`Cell`). A cell is a method at a memory fraction: a
+training-free cache on the base (a policy at ``fraction x seq_length`` entries, LightCache at settings of
+about that many bytes), or a retrofitted model (GQA, DMC, Fixed Memory Pooling, LESS: a training run from
+the base, then its own cache). Running a cell = train what it needs (``launch/pretrain.py`` in a
+subprocess, resumable), then evaluate it in-process on the first ``max_sequences`` test sequences and
+write ``<out>/cells/<name>.json``. A cell whose file exists is skipped, so a study is resumable and its
+cells may run as separate jobs (``launch/study.py``: one after another locally, or one Slurm job per cell
+through the Hydra submitit launcher). The report (``study_report.py``) reads the cell files.
+
+Presets (:data:`PRESETS`) name the base (a recipe and its run), the retrofits' shared settings and the cells.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from dmc_train.errors import ConfigError
+
+ROOT_ENV = "DMC_TRAIN_ROOT"  # where runs/ and data_cache/ are (default: the current directory)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One row of the study.
+
+    ``method``: the label of the row's method; ``fraction``: the memory it is meant to hold (1 = the
+    uncompressed multi-head cache; the table reports what it measured). ``cache``: the engine cache it is
+    evaluated with (``auto``: the run's own); an eviction policy and LESS hold ``fraction x seq_length -
+    budget_offset`` entries per KV head (:meth:`budget`). ``options``: the cache's other options.
+    ``train``: Hydra overrides of the training run it needs (empty: training-free, on the base; ``{base}``
+    and ``{budget}`` are filled in); ``gqa_groups``: the base converted to that many KV heads first (the
+    run then starts from the conversion)."""
+
+    name: str
+    method: str
+    fraction: float
+    cache: str = "auto"
+    options: dict = field(default_factory=dict)
+    train: tuple = ()
+    gqa_groups: Optional[int] = None
+    budget_offset: int = 0
+
+    def budget(self, seq_length: int) -> int:
+        return int(self.fraction * seq_length) - self.budget_offset
+
+
+@dataclass(frozen=True)
+class Preset:
+    """``base``: the base run's recipe overrides (trained first when missing; ``run_dir`` from its
+    ``run_name``); ``cells``; ``max_sequences``: test sequences per cell (of the base's ``seq_length``)."""
+
+    base: tuple
+    cells: tuple
+    max_sequences: int = 64
+
+
+def _policies(fractions, names=("h2o", "tova", "streaming_llm", "keyformer", "lsh_e", "knorm")) -> list[Cell]:
+    return [Cell(f"{p}_{_tag(f)}", p, f, p) for f in fractions for p in names]
+
+
+def _lightcache(fractions) -> list[Cell]:
+    """LightCache at settings whose bytes are about ``fraction`` of the full cache at 256 tokens: the window
+    (4 global + local, top-k segments) at full width, every other token at ``r_k + r_v`` of ``2 d`` channels."""
+    settings = {0.5: {"local": 64, "top_k": 4, "segment": 8, "r_k": 4, "r_v": 16},
+                0.25: {"local": 24, "top_k": 2, "segment": 8, "r_k": 2, "r_v": 6}}
+    return [Cell(f"lightcache_{_tag(f)}", "lightcache", f, "lightcache", settings[f]) for f in fractions]
+
+
+def _tag(fraction: float) -> str:
+    return {1.0: "1", 0.5: "1of2", 0.25: "1of4"}.get(fraction, f"{fraction:g}")
+
+
+# Retrofits from the base, in the controlled retrofit study's regimes (docs/BENCHMARKS.md): GQA in 240 steps
+# of 16 sequences under a cosine LR; DMC and Fixed Memory Pooling in 960 steps of 4 sequences under WSD (the
+# regime in which DMC reaches its target). Every retrofit sees 0.98M tokens; ``{base}`` is the base run.
+_GQA = ("+recipe=gqa_tiny", "train.max_steps=240", "train.global_batch_size=16", "train.eval_interval=120",
+        "checkpoint.save_interval=120", "optim.lr=5e-4", "optim.schedule=cosine", "optim.min_lr_ratio=0.1",
+        "optim.warmup_steps=0")
+_DMC = ("+recipe=dmc_tiny", "checkpoint.init_from={base}", "train.max_steps=960", "train.global_batch_size=4",
+        "train.micro_batch_size=4", "optim.lr=5e-4", "optim.schedule=wsd", "optim.anneal_steps=240",
+        "optim.min_lr_ratio=0.1", "optim.warmup_steps=0", "train.eval_interval=240", "checkpoint.save_interval=240",
+        "method.zero_out_steps=80", "method.ramp_steps=560", "method.finetune_steps=0")
+# LESS on a policy at the cell's budget (entries), 200 steps of the less_tiny recipe's schedule from the base.
+_LESS = ("+recipe=less_tiny", "checkpoint.init_from={base}", "method.budget={budget}", "train.max_steps=200",
+         "train.eval_interval=100", "checkpoint.save_interval=100")
+
+
+def _retrofits(fractions) -> list[Cell]:
+    cells = []
+    for f in fractions:
+        x = round(1 / f)
+        cells += [Cell(f"gqa{x}", "GQA", f, train=_GQA, gqa_groups=8 // x),
+                  Cell(f"dmc{x}", "DMC", f, train=(*_DMC, f"method.target_cr={x}")),
+                  Cell(f"pool{x}", "Fixed Memory Pooling", f, train=(*_DMC, "method=fixed_pooling",
+                                                                    f"method.target_cr={x}"))]
+    return cells
+
+
+def _less(fractions, policies=("h2o", "streaming_llm"), extra: int = 4) -> list[Cell]:
+    """LESS on each policy at ``fraction`` of the bytes: the policy's budget lowered by ``extra`` entries (the
+    bytes of LESS's rank-8 state per head, head size 32: ``(8 * 32 + 8) / 64`` entries, about 4), beside the
+    policy alone at that lower budget (Baseline); the policy at the full fraction is Baseline+ (its own row)."""
+    cells = []
+    for f in fractions:
+        for p in policies:
+            label = "Λ-masking" if p == "streaming_llm" else p
+            cells += [Cell(f"less_{p}_{_tag(f)}", f"LESS ({label})", f, "less", train=(*_LESS, f"method.policy={p}"),
+                           budget_offset=extra),
+                      Cell(f"baseline_{p}_{_tag(f)}", f"Baseline ({label})", f, p, budget_offset=extra)]
+    return cells
+
+
+_HALF_QUARTER = (0.5, 0.25)
+PRESETS: dict[str, Preset] = {
+    # Every method at 1/2 and 1/4 of the bytes, on the retrofit study's base.
+    "full": Preset(base=("+recipe=base_tiny_long",),
+                   cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER),
+                          *_policies(_HALF_QUARTER), *_lightcache(_HALF_QUARTER), *_less(_HALF_QUARTER))),
+    # README command 1's table: base_tiny, the training-free policies at 1/4 and one short GQA 4x retrofit.
+    "quickstart": Preset(base=("+recipe=base_tiny",), max_sequences=32,
+                         cells=(Cell("vanilla", "vanilla", 1.0, "full"),
+                                *_policies((0.25,), ("h2o", "tova", "streaming_llm")),
+                                Cell("gqa4", "GQA", 0.25, gqa_groups=2,
+                                     train=(*_GQA, "train.max_steps=60", "train.eval_interval=60",
+                                            "checkpoint.save_interval=60")))),
+    # Two methods at one budget, seconds per cell: the study's machinery end to end.
+    "quick": Preset(base=("+recipe=base_tiny",), max_sequences=8,
+                    cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_policies((0.25,), ("h2o", "streaming_llm")))),
+}
+
+
+# -- running cells ------------------------------------------------------------------------------------
+def root() -> str:
+    return os.path.abspath(os.environ.get(ROOT_ENV, "."))
+
+
+def base_config(preset: Preset) -> Any:
+    """The base run's composed config (data, tokenizer, run_dir, seq_length)."""
+    from dmc_train.recipes import load_config
+
+    return load_config(list(preset.base))
+
+
+def cell_path(out: str, name: str) -> str:
+    return os.path.join(out, "cells", f"{name}.json")
+
+
+def select(preset: Preset, names: list[str]) -> list[Cell]:
+    """The cells named (all when ``names`` is empty or ``["all"]``); one line for an unknown name."""
+    if not names or list(names) == ["all"]:
+        return list(preset.cells)
+    known = {c.name: c for c in preset.cells}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"unknown cell {unknown[0]!r}; this preset's cells are {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def _python(args: list[str], log: str) -> None:
+    """``python -m <args>`` in the study's root, output appended to ``log``; one line if it fails."""
+    with open(log, "a") as f:
+        code = subprocess.call([sys.executable, "-m", *args], cwd=root(), stdout=f, stderr=subprocess.STDOUT)
+    if code:
+        raise ConfigError(f"`python -m {' '.join(args)}` failed (exit {code}); its output is in {log}")
+
+
+def _finished(run_dir: str, steps: Optional[int] = None) -> bool:
+    """``run_dir`` has a checkpoint (at step ``steps`` or later, when given)."""
+    from dmc_train.training.checkpointing import read_latest, read_meta
+
+    ckpt = read_latest(os.path.join(run_dir, "checkpoints"))
+    return ckpt is not None and (steps is None or read_meta(ckpt)["step"] >= steps)
+
+
+def ensure_base(preset: Preset, log: str, say: Callable[[str], None]) -> str:
+    """The base run's directory, trained first when it has no checkpoint yet (``launch/pretrain.py``)."""
+    cfg = base_config(preset)
+    run_dir = os.path.join(root(), cfg.run_dir)
+    if not _finished(run_dir, cfg.train.max_steps):
+        say(f"training the base model ({' '.join(preset.base)}; log {log})")
+        _python(["launch.pretrain", *preset.base], log)
+    return run_dir
+
+
+def train_cell(cell: Cell, preset: Preset, base_dir: str, out: str, log: str, say: Callable[[str], None]) -> str:
+    """The run directory of ``cell``'s retrofit, trained (or resumed) here unless finished."""
+    run_dir = os.path.join(out, "runs", cell.name)
+    start = base_dir
+    if cell.gqa_groups:
+        start = os.path.join(out, "runs", f"base_gqa{cell.gqa_groups}")
+        if not os.path.exists(os.path.join(start, "meta.json")):
+            _python(["checkpoints_tools.convert_gqa", "--input", base_dir, "--output", start,
+                     "--groups", str(cell.gqa_groups)], log)
+    args = [a.format(base=base_dir, budget=cell.budget(base_config(preset).train.seq_length)) for a in cell.train]
+    if cell.gqa_groups:
+        args += [f"checkpoint.init_from={start}", f"model.num_query_groups={cell.gqa_groups}"]
+    args += [f"run_dir={run_dir}", "logging.progress=true"]
+    args = list({a.split("=", 1)[0]: a for a in args}.values())  # a later setting of a key replaces an earlier one
+    steps = next((int(a.split("=", 1)[1]) for a in args if a.startswith("train.max_steps=")), None)
+    if not _finished(run_dir, steps):
+        say(f"training {cell.name}: {' '.join(args)} (log {log})")
+        _python(["launch.pretrain", *args], log)
+    return run_dir
+
+
+def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None) -> dict:
+    """The harness's measures of ``cell`` (its run's latest checkpoint, or the base) on the test split."""
+    from dmc_train.data.datasets import build_datasets
+    from dmc_train.evaluation.harness import evaluate_cache
+    from dmc_train.inference.caches import cache_budget
+    from dmc_train.inference.model import LlamaForInference
+    from dmc_train.policies import POLICIES
+    from dmc_train.training.checkpointing import read_latest
+
+    ckpt = read_latest(os.path.join(checkpoint_dir, "checkpoints"))
+    model, loaded = LlamaForInference.from_checkpoint(ckpt)
+    cfg = base_config(preset)
+    _, _, test = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
+    cache = model.default_cache if cell.cache == "auto" else cell.cache
+    options = dict(cell.options)
+    if cache in POLICIES:
+        options["budget"] = cell.budget(cfg.train.seq_length)
+    start = time.perf_counter()
+    r = evaluate_cache(model, test, cache, options, max_sequences=preset.max_sequences,
+                       batch_size=cfg.train.micro_batch_size, incremental_sequences=2, kv_budget_seqs=0,
+                       progress=progress)
+    return {"name": cell.name, "method": cell.method, "fraction": cell.fraction, "checkpoint": ckpt,
+            "budget": cache_budget(cache, model, options), "seconds": time.perf_counter() - start, **r}
+
+
+def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = print) -> dict:
+    """Train what ``cell`` needs, evaluate it, write ``<out>/cells/<name>.json``; an existing file is returned
+    as it is (delete it to redo the cell)."""
+    path = cell_path(out, cell.name)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    log = os.path.join(out, "logs", f"{cell.name}.log")
+    start = time.perf_counter()
+    run_dir = ensure_base(preset, os.path.join(out, "logs", "base.log"), say)
+    if cell.train:
+        run_dir = train_cell(cell, preset, run_dir, out, log, say)
+    say(f"evaluating {cell.name} ({cell.method}, {cell.fraction:g} of the bytes)")
+    result = evaluate_cell(cell, preset, run_dir)
+    result["cell_seconds"] = time.perf_counter() - start
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+    say(f"{cell.name}: perplexity {result['ppl']:.2f}, {result['compression']:.2f}x fewer KV bytes "
+        f"({result['cell_seconds']:.0f}s)")
+    return result
+
+
+def load_cells(out: str) -> list[dict]:
+    """Every finished cell's result under ``out``, in file-name order."""
+    folder = os.path.join(out, "cells")
+    if not os.path.isdir(folder):
+        return []
+    results = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                results.append(json.load(f))
+    return results

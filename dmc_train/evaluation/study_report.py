@@ -1,0 +1,193 @@
+"""The study's report: decode speed of every cell timed in one process, the table, the papers' orderings
+checked against the numbers, the perplexity-vs-bytes plot and DMC's per-(layer, head) compression."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Optional
+
+from dmc_train.evaluation.study import Preset
+
+Say = Callable[[str], None]
+
+
+def decode_speed(results: list[dict], preset: Preset, rounds: int = 2, budget_seqs: int = 4,
+                 say: Say = print) -> dict[str, dict]:
+    """Decode tokens/s of every cell at one KV budget (``budget_seqs`` uncompressed sequences of the base),
+    timed in ``rounds`` interleaved rounds in this process (medians; min and max beside them): each cell
+    runs as many sequences as fit (the last 32 tokens of each sequence generated after a prompt of the
+    rest). Returns ``{cell: {batch, failed, tokens_per_s, min, max}}``."""
+    import torch
+
+    from dmc_train.data.datasets import build_datasets
+    from dmc_train.evaluation.harness import decode_throughput, samples_of, vanilla_bytes_per_token
+    from dmc_train.evaluation.study import base_config
+    from dmc_train.inference.model import LlamaForInference
+
+    cfg = base_config(preset)
+    _, _, test = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
+    tokens = samples_of(test, 64)[0]
+    models, runs = {}, {}
+    for r in results:
+        if r["checkpoint"] not in models:
+            models[r["checkpoint"]] = LlamaForInference.from_checkpoint(r["checkpoint"])[0]
+    budget = None
+    times: dict[str, list[float]] = {r["name"]: [] for r in results}
+    for i in range(rounds):
+        for r in results:
+            model = models[r["checkpoint"]]
+            if budget is None:
+                budget = budget_seqs * vanilla_bytes_per_token(model) * tokens.shape[1]
+            inc = r["incremental"]
+            torch.manual_seed(0)
+            d = decode_throughput(model, r["cache"], r["options"], tokens[: inc["sequences"]], budget,
+                                  inc["max_page_bytes"])
+            times[r["name"]].append(d["decode_tokens_per_s"])
+            runs[r["name"]] = d
+        say(f"decode speed: round {i + 1}/{rounds} done")
+    return {name: {"batch": runs[name]["batch"], "failed": runs[name]["failed"],
+                   "tokens_per_s": statistics.median(t), "min": min(t), "max": max(t)} for name, t in times.items()}
+
+
+def _vanilla(results: list[dict]) -> Optional[dict]:
+    return next((r for r in results if r["method"] == "vanilla"), None)
+
+
+def table(results: list[dict], speed: Optional[dict] = None, lm_eval: Optional[dict] = None) -> str:
+    """The markdown table: one row per cell, sorted by memory fraction then perplexity."""
+    base = _vanilla(results)
+    base_speed = speed.get(base["name"], {}).get("tokens_per_s") if speed and base else None
+    lines = ["| method | cell | target bytes | KV bytes / token | measured compression | perplexity | Δ vs vanilla "
+             "| next-token acc. | lm-eval acc. | batch at equal KV | decode tok/s vs vanilla |",
+             "|---" * 11 + "|"]
+    for r in sorted(results, key=lambda r: (-r["fraction"], r["ppl"])):
+        s = (speed or {}).get(r["name"], {})
+        ratio = f"{s['tokens_per_s'] / base_speed:.2f}×" if s and base_speed else "—"
+        lm = (lm_eval or {}).get(r["name"])
+        delta = f"{r['ppl'] - base['ppl']:+.2f}" if base else "—"
+        lines.append(f"| {r['method']} | {r['name']} | {_fraction(r['fraction'])} | {r['kv_bytes_per_token']:,.0f} | "
+                     f"{r['compression']:.2f}× | {r['ppl']:.2f} | {delta} | {r['accuracy']:.3f} | "
+                     f"{'—' if lm is None else f'{lm:.3f}'} | {s.get('batch', '—')} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _fraction(f: float) -> str:
+    return {1.0: "1", 0.5: "1/2", 0.25: "1/4"}.get(f, f"{f:g}")
+
+
+def orderings(results: list[dict]) -> list[str]:
+    """The papers' orderings that this study's cells can check, each with its numbers and a verdict."""
+    by = {r["name"]: r for r in results}
+    lines = []
+
+    def ppl(name):
+        return by[name]["ppl"] if name in by else None
+
+    def check(claim: str, holds: bool, numbers: str) -> None:
+        lines.append(f"- {claim}: **{'reproduced' if holds else 'not reproduced'}** ({numbers})")
+
+    for x, tag in ((2, "1of2"), (4, "1of4")):
+        others = {n: ppl(n) for n in (f"gqa{x}", f"h2o_{tag}", f"tova_{tag}") if ppl(n) is not None}
+        if ppl(f"dmc{x}") is not None and others:
+            check(f"DMC {x}× at least as good as GQA, H2O and TOVA at 1/{x} of the bytes (DMC paper)",
+                  all(ppl(f"dmc{x}") <= v for v in others.values()),
+                  f"DMC {ppl(f'dmc{x}'):.2f} at {by[f'dmc{x}']['compression']:.2f}×; "
+                  + ", ".join(f"{n} {v:.2f}" for n, v in others.items()))
+        for p, label in (("h2o", "H2O"), ("streaming_llm", "Λ-masking")):
+            less, plus, alone = ppl(f"less_{p}_{tag}"), ppl(f"{p}_{tag}"), ppl(f"baseline_{p}_{tag}")
+            if None not in (less, plus, alone):
+                check(f"LESS < Baseline+ < Baseline on {label} at 1/{x} of the bytes (LESS paper)",
+                      less < plus < alone, f"LESS {less:.2f}, Baseline+ {plus:.2f}, Baseline {alone:.2f}")
+        h2o, key, lsh, knorm = (ppl(f"{n}_{tag}") for n in ("h2o", "keyformer", "lsh_e", "knorm"))
+        if None not in (h2o, key):
+            check(f"Keyformer ahead of H2O at 1/{x} of the bytes (Keyformer paper)", key < h2o,
+                  f"Keyformer {key:.2f}, H2O {h2o:.2f}")
+        if None not in (h2o, lsh, knorm):
+            check(f"LSH-E within 2 % of H2O and ahead of Knorm at 1/{x} of the bytes (LSH-E paper)",
+                  abs(lsh - h2o) <= 0.02 * h2o and lsh < knorm, f"LSH-E {lsh:.2f}, H2O {h2o:.2f}, Knorm {knorm:.2f}")
+    return lines
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Perplexity against KV bytes per token (the Pareto view): one marker per cell, one colour per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    methods = sorted({r["method"] for r in results})
+    colours = plt.get_cmap("tab20")
+    for i, m in enumerate(methods):
+        rows = [r for r in results if r["method"] == m]
+        ax.scatter([r["kv_bytes_per_token"] for r in rows], [r["ppl"] for r in rows], color=colours(i % 20),
+                   label=m, s=40, zorder=3)
+    base = _vanilla(results)
+    if base:
+        ax.axhline(base["ppl"], color="black", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV bytes held per token (state included; log scale)")
+    ax.set_ylabel("test perplexity")
+    ax.set_title("Every method at equal memory (lower left is better)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def heatmap(results: list[dict], path: str) -> bool:
+    """DMC's compression per (layer, KV head) for every DMC cell (tokens / entries on the decoded subset);
+    False when the study has no DMC cell."""
+    cells = [r for r in results if r["method"] == "DMC"]
+    if not cells:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.5), squeeze=False)
+    for ax, r in zip(axes[0], cells):
+        grid = r["incremental"]["head_compression"]
+        im = ax.imshow(grid, cmap="viridis")
+        for (i, j), v in _cells(grid):
+            ax.text(j, i, f"{v:.1f}", ha="center", va="center", color="white", fontsize=7)
+        ax.set_title(f"{r['name']}: {r['entry_compression']:.2f}× overall")
+        ax.set_xlabel("KV head")
+        ax.set_ylabel("layer")
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _cells(grid):
+    return (((i, j), v) for i, row in enumerate(grid) for j, v in enumerate(row))
+
+
+def write(results: list[dict], out: str, speed: Optional[dict], lm_eval: Optional[dict], commands: list[str],
+          preset_name: str, docs_dir: Optional[str] = None) -> str:
+    """``<out>/RESULTS.md`` with its PNGs beside it (and the same in ``docs_dir``); returns the markdown."""
+    seconds = sum(r.get("cell_seconds", 0) for r in results)
+    text = [f"# Every method at equal memory (study preset `{preset_name}`)", "",
+            f"{len(results)} cells, {time.strftime('%Y-%m-%d', time.gmtime())}; the cells' own time (training and "
+            f"evaluation, one after another): {seconds / 60:.0f} min.", "",
+            "Commands:", "", *[f"    {c}" for c in commands], "", table(results, speed, lm_eval), "",
+            "![perplexity vs KV bytes](study_pareto.png)", ""]
+    if any(r["method"] == "DMC" for r in results):
+        text += ["![DMC compression per layer and head](study_dmc_heads.png)", ""]
+    checks = orderings(results)
+    if checks:
+        text += ["The papers' orderings, checked:", "", *checks, ""]
+    markdown = "\n".join(text)
+    for folder in [out] + ([docs_dir] if docs_dir else []):
+        os.makedirs(folder, exist_ok=True)
+        plot(results, os.path.join(folder, "study_pareto.png"))
+        heatmap(results, os.path.join(folder, "study_dmc_heads.png"))
+        with open(os.path.join(folder, "RESULTS.md"), "w") as f:
+            f.write(markdown)
+    return markdown
