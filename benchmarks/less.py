@@ -14,13 +14,10 @@ vs a vanilla step of the same model) and writes ``--out`` (PNG).
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import time
-
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,14 +56,15 @@ def main() -> None:
     args = p.parse_args()
 
     from dmc_train.data.datasets import build_datasets
-    from dmc_train.evaluation.policy_perplexity import policy_loss
+    from dmc_train.evaluation.harness import samples_of, teacher_forced_metrics
+    from dmc_train.inference.caches import teacher_forced
     from dmc_train.inference.model import LlamaForInference
-    from dmc_train.policies import build_scorer
 
     runs = {b: train(args.policy, b, args.steps) for b in args.budgets}
     base, loaded = LlamaForInference.from_checkpoint(args.base)
     cfg = loaded.cfg
     _, _, test = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
+    data = samples_of(test, args.max_sequences)
     s, n = base.shape, cfg.train.seq_length
     less = {b: LlamaForInference.from_checkpoint(runs[b])[0] for b in args.budgets}  # the base + its kernels
     rank = less[args.budgets[0]].less.rank
@@ -74,10 +72,10 @@ def main() -> None:
     extra = (rank * s.head_dim + rank) // (2 * s.head_dim)
 
     def ppl(budget: int, trained=None) -> float:
-        scorer = build_scorer(args.policy, {"budget": budget}, s.head_dim, s.num_heads // s.num_kv_heads, base.scale)
-        start = time.perf_counter()
-        r = policy_loss(base, test, scorer, budget, max_sequences=args.max_sequences,
-                        less=None if trained is None else less[trained].less)
+        start = time.perf_counter()  # the policy alone on the base, or the base with LESS's kernels from `trained`
+        forward = (teacher_forced(args.policy, base, {"budget": budget}) if trained is None else
+                   teacher_forced("less", less[trained], {"budget": budget}))
+        r = teacher_forced_metrics(forward, *data)
         print(f"  budget {budget:3d} {'policy' if trained is None else f'LESS trained at {trained}'}: "
               f"ppl {r['ppl']:.2f} ({time.perf_counter() - start:.0f}s)", flush=True)
         return r["ppl"]
@@ -98,30 +96,13 @@ def main() -> None:
 
 def engine_perplexity(model, data, count: int) -> dict:
     """The same cell two ways on ``count`` sequences of a LESS ``model``: teacher-forced (parallel form) and
-    decoded token by token by the engine's LESS cache (prefill of the first token, then one decode step each)."""
-    from dmc_train.inference.caches import build_cache
-    from dmc_train.inference.pool import PagePool
-    from dmc_train.policies import build_scorer
+    decoded token by token by the engine's LESS cache (the harness's incremental measure)."""
+    from dmc_train.evaluation.harness import incremental_metrics, samples_of
+    from dmc_train.inference.caches import teacher_forced
 
-    s, w = model.shape, model.less
-    scorer = build_scorer(w.policy, {"budget": w.budget, **w.options}, s.head_dim, s.num_heads // s.num_kv_heads,
-                          model.scale)
-    nll_parallel, nll_engine, tokens = 0.0, 0.0, 0
-    for i in range(count):
-        seq = torch.as_tensor(data[i]["tokens"]).long()
-        logits = model.forward_with_policy(seq[None], scorer, w.budget, less=w)[0]
-        nll_parallel -= float(logits.log_softmax(-1)[:-1].gather(1, seq[1:, None]).sum())
-        rows = s.num_layers * s.num_kv_heads
-        cache = build_cache("less", PagePool(rows * (len(seq) // 16 + 2), 16, s.head_dim, rows, s.max_positions),
-                            model, {})
-        cache.add(0, len(seq) - 1)
-        out = [model.prefill(cache, 0, seq[:1])]
-        for t in range(1, len(seq)):
-            out.append(model.decode(cache, [0], seq[t: t + 1], torch.tensor([t])))
-        nll_engine -= float(torch.cat(out).log_softmax(-1)[:-1].gather(1, seq[1:, None]).sum())
-        tokens += len(seq) - 1
-    return {"sequences": count, "budget": w.budget, "ppl_parallel": math.exp(nll_parallel / tokens),
-            "ppl_engine": math.exp(nll_engine / tokens)}
+    r = incremental_metrics(model, "less", {}, teacher_forced("less", model, {}), *samples_of(data, count))
+    return {"sequences": count, "budget": model.less.budget, "ppl_parallel": r["ppl_parallel"],
+            "ppl_engine": r["ppl_engine"]}
 
 
 def report(r: dict, args) -> None:

@@ -83,27 +83,26 @@ def speed(args) -> dict:
 
 def perplexity(args) -> dict:
     from dmc_train.data.datasets import build_datasets
-    from dmc_train.evaluation.policy_perplexity import policy_loss
+    from dmc_train.evaluation.harness import samples_of, teacher_forced_metrics
+    from dmc_train.inference.caches import teacher_forced
     from dmc_train.inference.model import LlamaForInference
-    from dmc_train.policies import POLICIES, build_scorer
+    from dmc_train.policies import POLICIES
 
     model, loaded = LlamaForInference.from_checkpoint(args.checkpoint)
     cfg = loaded.cfg
     _, _, test = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
+    data = samples_of(test, args.max_sequences)
     n = cfg.train.seq_length
-    s = model.shape
     results = {"full": {}}
-    full = policy_loss(model, test, build_scorer("h2o", {"budget": n}, s.head_dim, s.num_heads // s.num_kv_heads,
-                                                 model.scale), n, max_sequences=args.max_sequences)
+    full = teacher_forced_metrics(teacher_forced("full", model, {}), *data)
     results["full"] = {str(n): full["ppl"]}
     print(f"full cache: test perplexity {full['ppl']:.2f} ({full['tokens']} tokens)", flush=True)
     budgets = [n // 2, n // 4, n // 8]
     for name in POLICIES:
         results[name] = {}
         for budget in budgets:
-            scorer = build_scorer(name, {"budget": budget}, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
-            r = policy_loss(model, test, scorer, budget, max_sequences=args.max_sequences,
-                            progress=lambda line: print("  " + line, end="\r", flush=True))
+            r = teacher_forced_metrics(teacher_forced(name, model, {"budget": budget}), *data,
+                                       progress=lambda line: print("  " + line, end="\r", flush=True), label=name)
             results[name][str(budget)] = r["ppl"]
             print(f"  {name:14s} budget {budget:4d} ({n // budget}x fewer entries): test perplexity {r['ppl']:.2f}"
                   + " " * 30, flush=True)

@@ -56,11 +56,13 @@ class Cell:
 @dataclass(frozen=True)
 class Preset:
     """``base``: the base run's recipe overrides (trained first when missing; ``run_dir`` from its
-    ``run_name``); ``cells``; ``max_sequences``: test sequences per cell (of the base's ``seq_length``)."""
+    ``run_name``); ``cells``; ``max_sequences``: test sequences per cell (of the base's ``seq_length``);
+    ``model``: model overrides of the base that every retrofit repeats (its weights must fit them)."""
 
     base: tuple
     cells: tuple
     max_sequences: int = 64
+    model: tuple = ()
 
 
 def _policies(fractions, names=("h2o", "tova", "streaming_llm", "keyformer", "lsh_e", "knorm")) -> list[Cell]:
@@ -85,20 +87,22 @@ def _tag(fraction: float) -> str:
 _GQA = ("+recipe=gqa_tiny", "train.max_steps=240", "train.global_batch_size=16", "train.eval_interval=120",
         "checkpoint.save_interval=120", "optim.lr=5e-4", "optim.schedule=cosine", "optim.min_lr_ratio=0.1",
         "optim.warmup_steps=0")
-_DMC = ("+recipe=dmc_tiny", "checkpoint.init_from={base}", "train.max_steps=960", "train.global_batch_size=4",
-        "train.micro_batch_size=4", "optim.lr=5e-4", "optim.schedule=wsd", "optim.anneal_steps=240",
-        "optim.min_lr_ratio=0.1", "optim.warmup_steps=0", "train.eval_interval=240", "checkpoint.save_interval=240",
-        "method.zero_out_steps=80", "method.ramp_steps=560", "method.finetune_steps=0")
+_WSD_960x4 = ("checkpoint.init_from={base}", "train.max_steps=960", "train.global_batch_size=4",
+              "train.micro_batch_size=4", "optim.lr=5e-4", "optim.schedule=wsd", "optim.anneal_steps=240",
+              "optim.min_lr_ratio=0.1", "optim.warmup_steps=0", "train.eval_interval=240",
+              "checkpoint.save_interval=240")
+_DMC = ("+recipe=dmc_tiny", *_WSD_960x4, "method.zero_out_steps=80", "method.ramp_steps=560", "method.finetune_steps=0")
 # LESS on a policy at the cell's budget (entries), 200 steps of the less_tiny recipe's schedule from the base.
 _LESS = ("+recipe=less_tiny", "checkpoint.init_from={base}", "method.budget={budget}", "train.max_steps=200",
          "train.eval_interval=100", "checkpoint.save_interval=100")
 
 
-def _retrofits(fractions) -> list[Cell]:
+def _retrofits(fractions, heads: int = 8) -> list[Cell]:
     cells = []
     for f in fractions:
         x = round(1 / f)
-        cells += [Cell(f"gqa{x}", "GQA", f, train=_GQA, gqa_groups=8 // x),
+        gqa = [Cell(f"gqa{x}", "GQA", f, train=_GQA, gqa_groups=heads // x)] if heads >= x else []
+        cells += [*gqa,
                   Cell(f"dmc{x}", "DMC", f, train=(*_DMC, f"method.target_cr={x}")),
                   Cell(f"pool{x}", "Fixed Memory Pooling", f, train=(*_DMC, "method=fixed_pooling",
                                                                     f"method.target_cr={x}"))]
@@ -125,13 +129,26 @@ PRESETS: dict[str, Preset] = {
     "full": Preset(base=("+recipe=base_tiny_long",),
                    cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER),
                           *_policies(_HALF_QUARTER), *_lightcache(_HALF_QUARTER), *_less(_HALF_QUARTER))),
-    # README command 1's table: base_tiny, the training-free policies at 1/4 and one short GQA 4x retrofit.
+    # README command 1's table: base_tiny, two training-free policies at 1/4 and one short GQA 4x retrofit.
     "quickstart": Preset(base=("+recipe=base_tiny",), max_sequences=32,
                          cells=(Cell("vanilla", "vanilla", 1.0, "full"),
-                                *_policies((0.25,), ("h2o", "tova", "streaming_llm")),
+                                *_policies((0.25,), ("h2o", "streaming_llm")),
                                 Cell("gqa4", "GQA", 0.25, gqa_groups=2,
                                      train=(*_GQA, "train.max_steps=60", "train.eval_interval=60",
                                             "checkpoint.save_interval=60")))),
+    # Why GQA beats DMC on base_tiny_long (docs/BENCHMARKS.md), controlled: (a) what DMC costs without merging:
+    # its zero-out stage and training at target CR 1 (the decision channel taken from q and k, nothing merged)
+    # against vanilla continued training with the same tokens and schedule;
+    "dmc_cost": Preset(base=("+recipe=base_tiny_long",),
+                       cells=(Cell("vanilla", "vanilla", 1.0, "full"),
+                              Cell("continued", "vanilla, continued", 1.0, "full",
+                                   train=("+recipe=base_tiny", *_WSD_960x4)),
+                              Cell("dmc1", "DMC at CR 1", 1.0, train=(*_DMC, "method.target_cr=1")))),
+    # (b) the DMC and GQA cells again on a base whose heads have 128 channels (2 heads at base_tiny's width,
+    # trained like base_tiny_long), as Llama's.
+    "head128": Preset(base=("+recipe=base_tiny_long", "run_name=base_tiny_long_h128"),
+                      model=("model.num_attention_heads=2",),
+                      cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER, heads=2))),
     # Two methods at one budget, seconds per cell: the study's machinery end to end.
     "quick": Preset(base=("+recipe=base_tiny",), max_sequences=8,
                     cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_policies((0.25,), ("h2o", "streaming_llm")))),
@@ -147,7 +164,7 @@ def base_config(preset: Preset) -> Any:
     """The base run's composed config (data, tokenizer, run_dir, seq_length)."""
     from dmc_train.recipes import load_config
 
-    return load_config(list(preset.base))
+    return load_config([*preset.base, *preset.model])
 
 
 def cell_path(out: str, name: str) -> str:
@@ -187,7 +204,7 @@ def ensure_base(preset: Preset, log: str, say: Callable[[str], None]) -> str:
     run_dir = os.path.join(root(), cfg.run_dir)
     if not _finished(run_dir, cfg.train.max_steps):
         say(f"training the base model ({' '.join(preset.base)}; log {log})")
-        _python(["launch.pretrain", *preset.base], log)
+        _python(["launch.pretrain", *preset.base, *preset.model], log)
     return run_dir
 
 
@@ -201,6 +218,7 @@ def train_cell(cell: Cell, preset: Preset, base_dir: str, out: str, log: str, sa
             _python(["checkpoints_tools.convert_gqa", "--input", base_dir, "--output", start,
                      "--groups", str(cell.gqa_groups)], log)
     args = [a.format(base=base_dir, budget=cell.budget(base_config(preset).train.seq_length)) for a in cell.train]
+    args += list(preset.model)
     if cell.gqa_groups:
         args += [f"checkpoint.init_from={start}", f"model.num_query_groups={cell.gqa_groups}"]
     args += [f"run_dir={run_dir}", "logging.progress=true"]
@@ -251,7 +269,7 @@ def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = 
     if cell.train:
         run_dir = train_cell(cell, preset, run_dir, out, log, say)
     say(f"evaluating {cell.name} ({cell.method}, {cell.fraction:g} of the bytes)")
-    result = evaluate_cell(cell, preset, run_dir)
+    result = evaluate_cell(cell, preset, run_dir, progress=say)
     result["cell_seconds"] = time.perf_counter() - start
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
