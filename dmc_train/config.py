@@ -119,6 +119,9 @@ class CheckpointConfig:
     init_from: Optional[str] = None  # weights to start from when not resuming (e.g. the base model)
     load_optimizer: bool = True  # false = load weights only (new optimizer, step 0)
     save_at_end: bool = True
+    # keep the checkpoint with the best validation metric the method names (Method.best_metric; lower is
+    # better) from being pruned by keep_last; checkpoints/best names it (dmc_train/training/best_checkpoint.py)
+    keep_best: bool = False
 
 
 @dataclass
@@ -218,6 +221,11 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
                           f"({after_warmup}); got optim.anneal_steps={o.anneal_steps}")
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
         raise ConfigError("data.kind=indexed needs data.prefixes (run `python launch/prepare_data.py` to make them)")
+    c = cfg.checkpoint
+    if c.keep_best and (not t.eval_interval or c.save_interval % t.eval_interval):
+        raise ConfigError(f"checkpoint.keep_best=true compares the validation of each saved step, so every save "
+                          f"needs an evaluation at its step: set train.eval_interval > 0 dividing "
+                          f"checkpoint.save_interval (now {t.eval_interval} and {c.save_interval})")
     return layout
 
 

@@ -267,6 +267,11 @@ def export_hf(checkpoint: str, out: str, overwrite: bool = False, dtype: str = "
     ckpt = find_checkpoint(checkpoint)
     check_output(out, overwrite, ckpt)
     meta = read_meta(ckpt)
+    if checkpoint_method(meta) == "less":
+        base = (meta.get("base") or {}).get("path")
+        raise ConfigError(f"checkpoint {ckpt} is a LESS model: its kernels have no Hugging Face form yet; run it "
+                          f"with launch/generate.py --checkpoint {checkpoint}"
+                          + (f", or export its base {base}" if base else ""))
     if checkpoint_method(meta) in DMC_METHODS:
         from dmc_train.conversion.hf_dmc import dmc_settings_from_method
 

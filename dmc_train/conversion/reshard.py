@@ -94,9 +94,10 @@ def _write_full(ckpt: str, meta: dict, cfg: Any) -> str:
     load_cfg.data.kind = "synthetic"  # resharding reads no data: the run's data files need not be present
     trainer = Trainer(load_cfg)
     extra = {"method_metadata": meta.get("method_metadata", {}),
-             "resharded_from": {"checkpoint": ckpt, "layout": meta["layout"]}}
+             "resharded_from": {"checkpoint": ckpt, "layout": meta["layout"]},
+             **({"validation": meta["validation"]} if meta.get("validation") else {})}
     written = save_checkpoint(cfg, trainer.model, trainer.optimizer, trainer.scheduler, trainer.method,
-                              trainer.step, trainer.consumed, extra)
+                              trainer.step, trainer.consumed, extra, base=trainer.base)
     if distributed.is_rank0():
         OmegaConf.save(cfg, os.path.join(cfg.run_dir, "config.yaml"), resolve=True)
     distributed.barrier()

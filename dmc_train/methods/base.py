@@ -29,6 +29,11 @@ class Method:
     """Plain pre-training / continued pre-training: changes nothing."""
 
     lm_loss_weight: float = 1.0  # weight of the LM loss in the objective (0: pure distillation)
+    # prepare_model freezes every base parameter: a run started from a base saves only the parameters
+    # added_parameter names, plus a reference to the base (dmc_train/training/base_reference.py)
+    frozen_base: bool = False
+    # the validation metric checkpoint.keep_best minimises: "val_loss" (LM) or "val_<name>" of evaluation_metrics()
+    best_metric: str = "val_loss"
 
     def __init__(self, cfg: Any):
         self.cfg = cfg

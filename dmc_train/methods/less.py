@@ -53,6 +53,8 @@ def _evictions(scorer, budget: int, q, k, v, layer: int) -> torch.Tensor:
 
 class LESSMethod(Method):
     lm_loss_weight = 0.0
+    frozen_base = True  # checkpoints hold the kernels and a reference to the base
+    best_metric = "val_less_mse"  # the mean per-layer validation MSE (the paper keeps the best validation loss)
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)

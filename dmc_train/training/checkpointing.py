@@ -1,10 +1,11 @@
 """Atomic, reshardable checkpoints with megatron ``dist_checkpointing``.
 
-Layout of ``<run_dir>/checkpoints/``::
+Layout of ``<run_dir>/checkpoints/`` (names, pointers and ``meta.json``: :mod:`checkpoint_dirs`)::
 
     iter_0000100/          a complete checkpoint: dist_checkpointing files + meta.json + config.yaml
     iter_0000200.tmp/      a write in progress (or one that crashed): never read
     latest                 the name of the newest complete checkpoint (replaced atomically)
+    best                   the best validated checkpoint (``checkpoint.keep_best``, :mod:`best_checkpoint`)
     iter_0000300.damaged-20250101-120000/   set aside by a run: it had lost its meta.json
     iter_0000400.replaced-20250101-120000/  set aside by a run that saved the same step again
 
@@ -23,7 +24,9 @@ What is stored: model weights (reshardable to any TP/PP layout), optimizer state
 step, consumed samples, RNG states (restored only for the same layout), method state, the
 resolved config. Optimizer state reshards with the standard (non-distributed) optimizer; the
 distributed optimizer's ``dp_reshardable`` format only changes DP size, so a TP/PP change with it
-is refused with a message offering ``checkpoint.load_optimizer=false`` (weights only).
+is refused with a message offering ``checkpoint.load_optimizer=false`` (weights only). A method that
+freezes the base (LESS) stores only its own parameters and a reference to the base, which every load
+reads first (:mod:`base_reference`).
 """
 
 from __future__ import annotations
@@ -32,9 +35,7 @@ import errno
 import json
 import os
 import random
-import re
 import shutil
-import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -44,146 +45,37 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dmc_train.config import kv_groups
 from dmc_train.distributed import barrier, first_message, is_rank0, world_size
 from dmc_train.errors import CheckpointError
+from dmc_train.training import base_reference, hf_loading
+from dmc_train.training.best_checkpoint import update_best
+from dmc_train.training.checkpoint_dirs import (  # noqa: F401  (re-exported: the checkpoint API of one module)
+    LATEST,
+    META,
+    MODEL_SHAPE_FIELDS,
+    check_model_shape,
+    checkpoint_root,
+    complete_checkpoints,
+    damaged_checkpoints,
+    find_checkpoint,
+    iter_name,
+    newest_complete,
+    other_checkpoint,
+    pointer_name,
+    pointer_target,
+    read_latest,
+    read_meta,
+    read_pointer,
+    set_aside,
+    step_of,
+    write_pointer,
+)
 
 # What a truncated or corrupt checkpoint raises: many Exception types from megatron/pickle, and
 # torch.distributed.checkpoint's CheckpointException, which derives from BaseException.
 READ_ERRORS = (Exception, CheckpointException)
-LATEST = "latest"
-META = "meta.json"
-MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                      "num_query_groups", "vocab_size")
 DISTOPT_FORMAT = "dp_reshardable"
-# What meta.json must hold to be used: top-level keys and the keys read inside them.
-_REQUIRED_META = {"step": (), "layout": ("tensor", "pipeline", "distributed_optimizer"), "config": ("model",)}
-
-
-def checkpoint_root(cfg: Any) -> str:
-    return os.path.join(cfg.run_dir, "checkpoints")
-
-
-def iter_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def read_latest(root: str) -> Optional[str]:
-    """The checkpoint ``root/latest`` names, or None if there is no pointer. A pointer that is not the
-    name of a complete checkpoint in ``root`` (unreadable, empty, a path outside ``root``, an incomplete or
-    missing directory) raises CheckpointError naming the newest complete checkpoint to use instead."""
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        return None
-    name = _pointer_target(root)
-    if name is None:
-        newest = newest_complete(root)
-        fix = (f"resume from the newest complete checkpoint with checkpoint.resume={newest}" if newest
-               else "no complete checkpoint exists; delete it to start over")
-        raise CheckpointError(f"checkpoint pointer {path} is invalid (it does not name a complete checkpoint in "
-                              f"{root}); {fix}")
-    return os.path.join(root, name)
-
-
-def _pointer_target(root: str) -> Optional[str]:
-    """The name in ``root/latest`` if it is a complete checkpoint directly inside ``root``, else None."""
-    name = _pointer_name(root)
-    if name is None or os.path.basename(name) != name or not _is_complete(root, name):
-        return None
-    return name
-
-
-def _is_complete(root: str, name: str) -> bool:
-    return name.startswith("iter_") and "." not in name and os.path.isfile(os.path.join(root, name, META))
-
-
-_ITER = re.compile(r"iter_(\d+)")
 _WRITTEN: set[str] = set()  # the checkpoint directories this process saved (rank 0): its own to replace
-
-
-def step_of(name: str) -> Optional[int]:
-    """The step of a checkpoint directory name ``iter_N`` (None for any other name, e.g. ``iter_N.tmp``)."""
-    m = _ITER.fullmatch(name)
-    return int(m.group(1)) if m else None
-
-
-def damaged_checkpoints(root: str) -> list[tuple[str, str]]:
-    """``(name, what is wrong)`` of each ``iter_N`` directory in ``root`` that is not complete, oldest first.
-    A save renames a directory to ``iter_N`` only once its ``meta.json`` is written, so such a directory
-    was damaged afterwards (a file deleted or lost); its other files may still be intact."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in sorted(os.listdir(root)):
-        if step_of(name) is not None and os.path.isdir(os.path.join(root, name)) and not _is_complete(root, name):
-            found.append((name, f"its {META} is missing"))
-    return found
-
-
-def set_aside(root: str, name: str, why: str) -> str:
-    """Rename ``root/name`` to ``root/<name>.<why>-<time>`` (never read, resumed from or pruned); return the
-    new name."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    new, n = f"{name}.{why}-{stamp}", 1
-    while os.path.exists(os.path.join(root, new)):
-        n += 1
-        new = f"{name}.{why}-{stamp}-{n}"
-    os.rename(os.path.join(root, name), os.path.join(root, new))
-    return new
-
-
-def complete_checkpoints(root: str) -> list[str]:
-    """Names of the complete checkpoints (``iter_N`` with ``meta.json``; not ``*.tmp``) in ``root``, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(d for d in os.listdir(root) if _is_complete(root, d))
-
-
-def newest_complete(root: str) -> Optional[str]:
-    """Path of the newest complete checkpoint in ``root`` found by scanning ``iter_*``, or None."""
-    names = complete_checkpoints(root)
-    return os.path.join(root, names[-1]) if names else None
-
-
-def read_meta(ckpt: str) -> dict:
-    meta_path = os.path.join(ckpt, META)
-    if not os.path.isdir(ckpt):
-        raise CheckpointError(f"checkpoint {ckpt} does not exist; check checkpoint.resume or use resume=none")
-    if not os.path.exists(meta_path):
-        raise CheckpointError(f"checkpoint {ckpt} is incomplete (no {META}): the write was interrupted; "
-                              f"{_other_checkpoint(ckpt)}")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {META} ({e}); {_other_checkpoint(ckpt)}") from None
-    missing = _missing_meta(meta)
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt} has a corrupt {META} (it lacks {', '.join(missing)}); "
-                              f"{_other_checkpoint(ckpt)}")
-    return meta
-
-
-def _missing_meta(meta: Any) -> list[str]:
-    if not isinstance(meta, dict):
-        return ["everything: it is not a JSON object"]
-    missing = []
-    for key, inner in _REQUIRED_META.items():
-        if key not in meta:
-            missing.append(key)
-        else:
-            missing += [f"{key}.{k}" for k in inner if not isinstance(meta[key], dict) or k not in meta[key]]
-    return missing
-
-
-def _other_checkpoint(ckpt: str) -> str:
-    """The fix for an unusable checkpoint: the newest other complete checkpoint beside it, if there is one."""
-    ckpt = os.path.normpath(os.path.abspath(ckpt))
-    root = os.path.dirname(ckpt)
-    others = [n for n in complete_checkpoints(root) if n != os.path.basename(ckpt)]
-    if others:
-        return f"resume from the newest other complete checkpoint: checkpoint.resume={os.path.join(root, others[-1])}"
-    return "no other complete checkpoint is beside it: use another checkpoint or start over in another run_dir"
 
 
 def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tuple[str, dict]]:
@@ -213,8 +105,8 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
         if ckpt is None:
             _set_aside_damaged(root, damaged, None, log)
             return None
-        pointer = _pointer_target(root)
-        named = _pointer_name(root)
+        pointer = pointer_target(root)
+        named = pointer_name(root)
         if pointer is None and named not in {name for name, _ in damaged}:  # a damaged target is reported below
             log(f"checkpoints/{LATEST} is missing or invalid; resuming from the newest complete checkpoint "
                 f"{os.path.basename(ckpt)}")
@@ -248,15 +140,6 @@ def resolve_resume(cfg: Any, log: Callable[[str], None] = print) -> Optional[tup
     return ckpt, meta
 
 
-def _pointer_name(root: str) -> Optional[str]:
-    """The text of ``root/latest`` (None if unreadable), whatever it names."""
-    try:
-        with open(os.path.join(root, LATEST), "rb") as f:
-            return f.read(4096).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
 def _set_aside_damaged(root: str, damaged: list[tuple[str, str]], start: Optional[tuple[str, int]],
                        log: Callable[[str], None]) -> None:
     """Rank 0: rename each damaged ``iter_N`` the run would save over (N after ``start``, the checkpoint and
@@ -271,19 +154,6 @@ def _set_aside_damaged(root: str, damaged: list[tuple[str, str]], start: Optiona
                 f"checkpoints/{aside} (its other files untouched) and never resumed from; "
                 + (f"resuming from {start[0]}, the newest complete checkpoint" if start
                    else "no complete checkpoint is left: starting from step 0"))
-
-
-def check_model_shape(ckpt: str, meta: dict, cfg: Any) -> None:
-    saved = OmegaConf.create(meta["config"]["model"])
-
-    def value(model, key):  # num_query_groups: null means MHA (groups = heads)
-        return kv_groups(model) if key == "num_query_groups" else model.get(key)
-
-    diffs = [f"{k}: checkpoint {value(saved, k)} vs config {value(cfg.model, k)}"
-             for k in MODEL_SHAPE_FIELDS if value(saved, k) != value(cfg.model, k)]
-    if diffs:
-        raise CheckpointError(f"checkpoint {ckpt} has a different model shape ({'; '.join(diffs)}); "
-                              f"use the matching model config or another checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,10 +191,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _sharded_state(model, optimizer, scheduler, method, step, consumed, is_loading,
-                   with_optimizer=True, with_rng=True) -> dict:
+                   with_optimizer=True, with_rng=True, keep: Optional[Callable[[str], bool]] = None) -> dict:
+    """The sharded state of a training checkpoint; ``keep``: only these model parameters (a frozen-base
+    method's own, :mod:`~dmc_train.training.base_reference`), and the optimizer state of those."""
     sd: dict = {}
     for i, chunk in enumerate(model):
-        sd[_model_key(i, len(model))] = chunk.module.sharded_state_dict()
+        sd[_model_key(i, len(model))] = {k: v for k, v in chunk.module.sharded_state_dict().items()
+                                         if keep is None or keep(k)}
     if with_optimizer:
         model_sd = {k: v for k, v in sd.items()}
         kwargs = {"metadata": {"distrib_optim_sharding_type": DISTOPT_FORMAT}} if _uses_distopt(model) else {}
@@ -368,12 +241,20 @@ def _uses_distopt(model) -> bool:
 # Save
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, consumed: int,
-                    extra_meta: Optional[dict] = None) -> str:
-    """Write ``iter_<step>`` atomically and point ``latest`` at it; keep the newest ``keep_last``."""
+                    extra_meta: Optional[dict] = None, base: Optional[dict] = None) -> str:
+    """Write ``iter_<step>`` atomically and point ``latest`` at it; keep the newest ``keep_last`` (and, with
+    ``checkpoint.keep_best``, the best validated one, named by ``best``).
+
+    ``base``: the base a frozen-base method's run started from (:mod:`~dmc_train.training.base_reference`):
+    only the method's own parameters (``method.added_parameter``) are written, and ``meta.json`` records
+    the base."""
     root = checkpoint_root(cfg)
     final = os.path.join(root, iter_name(step))
     tmp = final + ".tmp"
-    state = _sharded_state(model, optimizer, scheduler, method, step, consumed, False)
+    if base is not None:
+        extra_meta = {**(extra_meta or {}), "base": base_reference.record(base, final)}
+    state = _sharded_state(model, optimizer, scheduler, method, step, consumed, False,
+                           keep=method.added_parameter if base is not None else None)
     try:
         _write_sharded(state, tmp)
         if is_rank0():
@@ -385,11 +266,9 @@ def save_checkpoint(cfg: Any, model, optimizer, scheduler, method, step: int, co
                       f"this run saves its own step {step}", flush=True)
             _publish(cfg, tmp, final, meta)
             _WRITTEN.add(final)
-            pointer = os.path.join(root, LATEST + ".tmp")
-            with open(pointer, "w") as f:
-                f.write(os.path.basename(final))
-            os.replace(pointer, os.path.join(root, LATEST))
-            _prune(root, cfg.checkpoint.keep_last, step)
+            write_pointer(root, LATEST, os.path.basename(final))
+            best = update_best(root, step) if cfg.checkpoint.keep_best else None
+            _prune(root, cfg.checkpoint.keep_last, step, keep={best})
         failure = None
     except READ_ERRORS as e:
         failure = _save_failure(root, final, e, state)
@@ -407,7 +286,7 @@ def _save_failure(root: str, final: str, error: BaseException, state: dict) -> s
         shutil.rmtree(tmp, ignore_errors=True)
         if os.path.exists(os.path.join(root, LATEST + ".tmp")):
             os.remove(os.path.join(root, LATEST + ".tmp"))
-    pointer = _pointer_target(root)
+    pointer = pointer_target(root)
     kept = (f"checkpoints/{LATEST} still names {pointer}, so checkpoint.resume=auto continues from there" if pointer
             else "no earlier checkpoint exists")
     causes = _causes(error)
@@ -509,15 +388,16 @@ def replace_dir(tmp: str, final: str) -> None:
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 
-def _prune(root: str, keep_last: int, saved_step: int) -> None:
+def _prune(root: str, keep_last: int, saved_step: int, keep: set = frozenset()) -> None:
     """Delete all but the newest ``keep_last`` complete checkpoints up to ``saved_step`` (the one just saved).
-    Newer ones (kept by a run resumed from an older checkpoint), ``*.tmp`` writes and directories set
-    aside (``*.damaged-*``, ``*.replaced-*``) are never deleted."""
+    Newer ones (kept by a run resumed from an older checkpoint), the names in ``keep`` (the best one),
+    ``*.tmp`` writes and directories set aside (``*.damaged-*``, ``*.replaced-*``) are never deleted."""
     if keep_last <= 0:
         return
     complete = [n for n in complete_checkpoints(root) if step_of(n) is not None and step_of(n) <= saved_step]
     for name in sorted(complete, key=step_of)[:-keep_last]:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if name not in keep:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,11 +419,15 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
             f"use the same setting or checkpoint.load_optimizer=false to load the weights only")
     if full and _uses_distopt(model):
         _materialise_distopt_state(optimizer)
-    request = _sharded_state(model, optimizer, scheduler, method, 0, 0, True,
-                             with_optimizer=full, with_rng=full and same_world)
+    held = _load_base(ckpt, meta, [chunk.module for chunk in model], cfg)
+    request = _sharded_state(model, optimizer, scheduler, method, 0, 0, True, with_optimizer=full,
+                             with_rng=full and same_world, keep=None if held is None else held.__contains__)
     state = _load(request, ckpt)
     for i, chunk in enumerate(model):
-        chunk.module.load_state_dict(state[_model_key(i, len(model))], strict=True)
+        missing, unexpected = chunk.module.load_state_dict(state[_model_key(i, len(model))], strict=held is None)
+        if held is not None and (unexpected or held & set(missing)):
+            raise CheckpointError(f"checkpoint {ckpt} does not fit the model: missing "
+                                  f"{sorted(held & set(missing))[:3]}, unexpected {unexpected[:3]}")
     if not full:
         return 0, 0
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -570,7 +454,7 @@ def _load(request: dict, ckpt: str) -> dict:
         return dist_checkpointing.load(request, ckpt)
     except READ_ERRORS as e:
         raise CheckpointError(f"checkpoint {ckpt} could not be read ({error_cause(e)}); it is truncated or corrupt - "
-                              f"{_other_checkpoint(ckpt)}") from None
+                              f"{other_checkpoint(ckpt)}") from None
 
 
 def _materialise_distopt_state(optimizer) -> None:
@@ -591,16 +475,21 @@ def _materialise_distopt_state(optimizer) -> None:
             g["lr"] = lr
 
 
-def find_checkpoint(path: str) -> str:
-    """A checkpoint directory from ``path``: the checkpoint itself, or a checkpoints root / run
-    directory whose ``latest`` names one."""
-    if os.path.exists(os.path.join(path, META)):
-        return path
-    for root in (path, os.path.join(path, "checkpoints")):
-        latest = read_latest(root)
-        if latest is not None:
-            return latest
-    return path  # read_meta names what is missing
+def _load_base(ckpt: str, meta: dict, chunks: list, cfg: Any,
+               skip: Callable[[str], bool] = lambda name: False) -> Optional[set[str]]:
+    """For a checkpoint that holds only a frozen-base method's parameters: load its base into ``chunks`` and
+    return the names the checkpoint holds itself; None for a checkpoint that holds the whole model."""
+    if not meta.get("base"):
+        return None
+    path = base_reference.resolve(ckpt, meta)
+    held = base_reference.held_names(ckpt, chunks)
+    if meta["base"]["kind"] == "hf":
+        if cfg is None:
+            raise CheckpointError(f"checkpoint {ckpt}: loading its Hugging Face base needs the run's config")
+        hf_loading.load_hf_into_model(path, chunks, cfg, skip=lambda name: name in held or skip(name))
+    else:
+        load_weights(path, chunks, cfg, added=lambda name: name in held or skip(name))
+    return held
 
 
 def load_weights(ckpt: str, model_chunks: list, cfg: Any = None,
@@ -615,14 +504,19 @@ def load_weights(ckpt: str, model_chunks: list, cfg: Any = None,
     meta = read_meta(ckpt)
     if cfg is not None:
         check_model_shape(ckpt, meta, cfg)
-    request = {_model_key(i, len(model_chunks)): {k: v for k, v in c.sharded_state_dict().items() if not added(k)}
+    held = _load_base(ckpt, meta, model_chunks, cfg, added)  # a frozen-base method's checkpoint: its base first
+
+    def wanted(name: str) -> bool:
+        return not added(name) and (held is None or name in held)
+
+    request = {_model_key(i, len(model_chunks)): {k: v for k, v in c.sharded_state_dict().items() if wanted(k)}
                for i, c in enumerate(model_chunks)}
-    state = _load(request, ckpt)
+    state = _load(request, ckpt) if any(request.values()) else request  # all it holds is skipped
     for i, chunk in enumerate(model_chunks):
         missing, unexpected = chunk.load_state_dict(state[_model_key(i, len(model_chunks))], strict=False)
-        if unexpected or [k for k in missing if not added(k)]:
+        if unexpected or [k for k in missing if wanted(k)]:
             raise CheckpointError(f"checkpoint {ckpt} does not fit the model: missing "
-                                  f"{[k for k in missing if not added(k)][:3]}, unexpected {unexpected[:3]}")
+                                  f"{[k for k in missing if wanted(k)][:3]}, unexpected {unexpected[:3]}")
     return meta
 
 

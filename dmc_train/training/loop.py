@@ -27,8 +27,9 @@ from dmc_train.methods.base import Method
 from dmc_train.models.llama import build_model
 from dmc_train.models.shape import count_parameters
 from dmc_train.recipes import validate
+from dmc_train.training import base_reference, hf_loading, run_lock
 from dmc_train.training import checkpointing as ckpt_mod
-from dmc_train.training import hf_loading, run_lock
+from dmc_train.training.best_checkpoint import validation_record
 from dmc_train.training.forward import batch_losses, evaluate_loss, lm_forward_step, reduce_losses
 from dmc_train.training.logging import RunLogger
 from dmc_train.training.preemption import PreemptionHandler
@@ -74,6 +75,8 @@ class Trainer:
         elif self.resume is None and cfg.checkpoint.init_from:
             init = ckpt_mod.find_checkpoint(cfg.checkpoint.init_from)
             ckpt_mod.check_model_shape(init, ckpt_mod.read_meta(init), cfg)
+        self.base = base_reference.for_run(cfg, self.method, self.resume)  # a frozen-base method's base, checked
+        self.validated: Optional[tuple[int, dict]] = None  # (step, validation metrics) of the last evaluation
         self.total_steps = total_steps(cfg)
         if cfg.optim.warmup_steps >= self.total_steps and distributed.is_rank0():
             print(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} is not below the run's {self.total_steps} "
@@ -83,6 +86,8 @@ class Trainer:
         self.train_data, self.valid_data, self.test_data = build_datasets(
             cfg, self.total_steps * cfg.train.global_batch_size)
         chunks = self.method.prepare_model(build_model(cfg, attention=self.method.attention()))
+        if self.method.frozen_base:
+            _check_frozen(chunks, self.method)
         self.model = wrap_ddp(cfg, chunks)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
@@ -156,8 +161,18 @@ class Trainer:
 
     def save(self) -> str:
         extra = {"method_metadata": self.method.checkpoint_metadata(self.model)}
+        validation = validation_record(self.method.best_metric, self.step, self.validated)
+        if validation is not None:
+            extra["validation"] = validation
         return ckpt_mod.save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.method,
-                                        self.step, self.consumed, extra)
+                                        self.step, self.consumed, extra, base=self.base)
+
+
+def _check_frozen(chunks, method: Method) -> None:
+    """A frozen-base method trains only the parameters it adds (its checkpoints hold nothing else)."""
+    trained = [n for c in chunks for n, p in c.named_parameters() if p.requires_grad and not method.added_parameter(n)]
+    if trained:
+        raise RuntimeError(f"{type(method).__name__} sets frozen_base but trains base parameters {trained[:3]}")
 
 
 def diverged_message(cfg: Any, step: int, bad_in_row: int) -> str:
@@ -253,6 +268,7 @@ def _train(cfg: Any, method: Optional[Method], preemption: PreemptionHandler) ->
                 metrics["val_loss"] = trainer.evaluate()["lm_loss"]
                 metrics.update({f"val_{k}": v for k, v in trainer.method.evaluation_metrics().items()
                                 if isinstance(v, (int, float))})
+                trainer.validated = (trainer.step, {k: v for k, v in metrics.items() if k.startswith("val_")})
                 not_training += time.perf_counter() - t_eval
             history.append(metrics)
             if trainer.step % cfg.train.log_interval == 0 or trainer.step == stop_at:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dmc_train.errors import CheckpointError
 from dmc_train.models.llama import llama_layer_spec
 from dmc_train.recipes import validate
+from dmc_train.training.base_reference import base_state
 from dmc_train.training.checkpointing import READ_ERRORS, check_model_shape, error_cause, find_checkpoint, read_meta
 from dmc_train.training.model_loading import config_from_checkpoint
 
@@ -71,7 +72,10 @@ def read_model_state(checkpoint: str) -> tuple[dict[str, torch.Tensor], SavedRun
     except READ_ERRORS as e:
         raise CheckpointError(f"checkpoint {ckpt} could not be read ({error_cause(e)}); it is truncated or "
                               f"corrupt") from None
-    return _state_dict_names(sharded), SavedRun(cfg, ckpt, meta)
+    state = _state_dict_names(sharded)
+    if meta.get("base"):  # a frozen-base method's checkpoint (LESS): its own tensors over its base's
+        state = {**base_state(ckpt, meta, lambda path: read_model_state(path)[0]), **state}
+    return state, SavedRun(cfg, ckpt, meta)
 
 
 def _state_dict_names(sharded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
