@@ -42,7 +42,7 @@ def study_app(cfg) -> None:
             study.run_cell(cell, preset, out, say)
         if cfg.cell or not cfg.report:
             return
-        results = study.load_cells(out)
+        results = study.load_cells(out, list(preset.cells))
         speed = study_report.decode_speed(results, preset, cfg.speed_rounds, say=say)
         with open(os.path.join(out, "speed.json"), "w") as f:
             json.dump(speed, f, indent=1)

@@ -172,8 +172,8 @@ def cell_path(out: str, name: str) -> str:
 
 
 def select(preset: Preset, names: list[str]) -> list[Cell]:
-    """The cells named (all when ``names`` is empty or ``["all"]``); one line for an unknown name."""
-    if not names or list(names) == ["all"]:
+    """The cells named (all for ``["all"]``, none for ``[]``); one line for an unknown name."""
+    if list(names) == ["all"]:
         return list(preset.cells)
     known = {c.name: c for c in preset.cells}
     unknown = [n for n in names if n not in known]
@@ -280,14 +280,11 @@ def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = 
     return result
 
 
-def load_cells(out: str) -> list[dict]:
-    """Every finished cell's result under ``out``, in file-name order."""
-    folder = os.path.join(out, "cells")
-    if not os.path.isdir(folder):
-        return []
+def load_cells(out: str, cells: list[Cell]) -> list[dict]:
+    """The results of those of ``cells`` that are finished under ``out``."""
     results = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".json"):
-            with open(os.path.join(folder, name)) as f:
+    for cell in cells:
+        if os.path.exists(cell_path(out, cell.name)):
+            with open(cell_path(out, cell.name)) as f:
                 results.append(json.load(f))
     return results
