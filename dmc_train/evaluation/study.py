@@ -57,12 +57,17 @@ class Cell:
 class Preset:
     """``base``: the base run's recipe overrides (trained first when missing; ``run_dir`` from its
     ``run_name``); ``cells``; ``max_sequences``: test sequences per cell (of the base's ``seq_length``);
-    ``model``: model overrides of the base that every retrofit repeats (its weights must fit them)."""
+    ``model``: model overrides of the base that every retrofit repeats (its weights must fit them);
+    ``lm_eval_limit``: documents of each shipped lm-eval task (:data:`LM_EVAL_TASKS`) per cell (0: none)."""
 
     base: tuple
     cells: tuple
     max_sequences: int = 64
     model: tuple = ()
+    lm_eval_limit: int = 0
+
+
+LM_EVAL_TASKS = ("shakespeare_next_line", "shakespeare_speaker")  # multiple choice: accuracy
 
 
 def _policies(fractions, names=("h2o", "tova", "streaming_llm", "keyformer", "lsh_e", "knorm")) -> list[Cell]:
@@ -126,7 +131,7 @@ def _less(fractions, policies=("h2o", "streaming_llm"), extra: int = 4) -> list[
 _HALF_QUARTER = (0.5, 0.25)
 PRESETS: dict[str, Preset] = {
     # Every method at 1/2 and 1/4 of the bytes, on the retrofit study's base.
-    "full": Preset(base=("+recipe=base_tiny_long",),
+    "full": Preset(base=("+recipe=base_tiny_long",), lm_eval_limit=100,
                    cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER),
                           *_policies(_HALF_QUARTER), *_lightcache(_HALF_QUARTER), *_less(_HALF_QUARTER))),
     # README command 1's table: base_tiny, two training-free policies at 1/4 and one short GQA 4x retrofit.
@@ -270,6 +275,12 @@ def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = 
         run_dir = train_cell(cell, preset, run_dir, out, log, say)
     say(f"evaluating {cell.name} ({cell.method}, {cell.fraction:g} of the bytes)")
     result = evaluate_cell(cell, preset, run_dir, progress=say)
+    if preset.lm_eval_limit:
+        from dmc_train.evaluation.lm_eval_run import run_tasks
+
+        say(f"lm-eval on {cell.name}: {', '.join(LM_EVAL_TASKS)}, {preset.lm_eval_limit} documents each")
+        result["lm_eval"] = run_tasks(result["checkpoint"], result["cache"], result["options"], LM_EVAL_TASKS,
+                                      preset.lm_eval_limit)
     result["cell_seconds"] = time.perf_counter() - start
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

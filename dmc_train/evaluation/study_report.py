@@ -55,8 +55,9 @@ def _vanilla(results: list[dict]) -> Optional[dict]:
     return next((r for r in results if r["method"] == "vanilla"), None)
 
 
-def table(results: list[dict], speed: Optional[dict] = None, lm_eval: Optional[dict] = None) -> str:
-    """The markdown table: one row per cell, sorted by memory fraction then perplexity."""
+def table(results: list[dict], speed: Optional[dict] = None) -> str:
+    """The markdown table: one row per cell, sorted by memory fraction then perplexity; lm-eval: the mean
+    accuracy over the shipped multiple-choice tasks the cell ran (``lm_eval``)."""
     base = _vanilla(results)
     base_speed = speed.get(base["name"], {}).get("tokens_per_s") if speed and base else None
     lines = ["| method | cell | target bytes | KV bytes / token | measured compression | perplexity | Δ vs vanilla "
@@ -65,7 +66,7 @@ def table(results: list[dict], speed: Optional[dict] = None, lm_eval: Optional[d
     for r in sorted(results, key=lambda r: (-r["fraction"], r["ppl"])):
         s = (speed or {}).get(r["name"], {})
         ratio = f"{s['tokens_per_s'] / base_speed:.2f}×" if s and base_speed else "—"
-        lm = (lm_eval or {}).get(r["name"])
+        lm = statistics.mean(r["lm_eval"].values()) if r.get("lm_eval") else None
         delta = f"{r['ppl'] - base['ppl']:+.2f}" if base else "—"
         lines.append(f"| {r['method']} | {r['name']} | {_fraction(r['fraction'])} | {r['kv_bytes_per_token']:,.0f} | "
                      f"{r['compression']:.2f}× | {r['ppl']:.2f} | {delta} | {r['accuracy']:.3f} | "
@@ -169,14 +170,14 @@ def _cells(grid):
     return (((i, j), v) for i, row in enumerate(grid) for j, v in enumerate(row))
 
 
-def write(results: list[dict], out: str, speed: Optional[dict], lm_eval: Optional[dict], commands: list[str],
-          preset_name: str, docs_dir: Optional[str] = None) -> str:
+def write(results: list[dict], out: str, speed: Optional[dict], commands: list[str], preset_name: str,
+          docs_dir: Optional[str] = None) -> str:
     """``<out>/RESULTS.md`` with its PNGs beside it (and the same in ``docs_dir``); returns the markdown."""
     seconds = sum(r.get("cell_seconds", 0) for r in results)
     text = [f"# Every method at equal memory (study preset `{preset_name}`)", "",
             f"{len(results)} cells, {time.strftime('%Y-%m-%d', time.gmtime())}; the cells' own time (training and "
             f"evaluation, one after another): {seconds / 60:.0f} min.", "",
-            "Commands:", "", *[f"    {c}" for c in commands], "", table(results, speed, lm_eval), "",
+            "Commands:", "", *[f"    {c}" for c in commands], "", table(results, speed), "",
             "![perplexity vs KV bytes](study_pareto.png)", ""]
     if any(r["method"] == "DMC" for r in results):
         text += ["![DMC compression per layer and head](study_dmc_heads.png)", ""]

@@ -5,7 +5,7 @@ well-formed table and plot; a second run skips every finished cell. A retrofit c
 import json
 import os
 
-from dmc_train.evaluation import study
+from dmc_train.evaluation import study, study_report
 from tests.helpers import run
 
 BASE = ["+recipe=tiny_pretrain", "train.max_steps=4", "train.eval_interval=4", "checkpoint.save_interval=4"]
@@ -47,3 +47,26 @@ def test_a_retrofit_cell_trains_its_run_then_evaluates_it(tmp_path):
     assert os.path.exists(tmp_path / "study" / "runs" / "gqa2" / "checkpoints" / "latest")
     assert result["compression"] == 2.0 and result["cache"] == "full"  # 4 of 8 KV heads, every token
     assert study.run_cell(cell, preset, str(tmp_path / "study"), lines.append) == result  # skipped: the file
+
+
+def _row(name, method, fraction, ppl, **extra):
+    return {"name": name, "method": method, "fraction": fraction, "ppl": ppl, "compression": 1 / fraction,
+            "kv_bytes_per_token": 8192 * fraction, "accuracy": 0.2, **extra}
+
+
+def test_table_and_the_papers_orderings():
+    results = [_row("vanilla", "vanilla", 1.0, 70.0), _row("dmc4", "DMC", 0.25, 72.0), _row("gqa4", "GQA", 0.25, 71.0),
+               _row("h2o_1of4", "h2o", 0.25, 73.0, lm_eval={"a": 0.5, "b": 0.3}), _row("tova_1of4", "tova", 0.25, 74.0),
+               _row("keyformer_1of4", "keyformer", 0.25, 72.5), _row("lsh_e_1of4", "lsh_e", 0.25, 73.5),
+               _row("knorm_1of4", "knorm", 0.25, 90.0), _row("less_h2o_1of4", "LESS (h2o)", 0.25, 72.9),
+               _row("baseline_h2o_1of4", "Baseline (h2o)", 0.25, 74.0)]
+    checks = study_report.orderings(results)
+    assert len(checks) == 4
+    assert checks[0].startswith("- DMC 4× at least as good as GQA, H2O and TOVA") and "**not reproduced**" in checks[0]
+    assert "LESS < Baseline+ < Baseline on H2O" in checks[1] and "**reproduced**" in checks[1]
+    assert "Keyformer ahead of H2O" in checks[2] and "**reproduced**" in checks[2]
+    assert "LSH-E within 2 % of H2O" in checks[3] and "**reproduced**" in checks[3]  # 73.5 vs 73.0, 90.0
+    rows = study_report.table(results, {"vanilla": {"tokens_per_s": 100.0, "batch": 4},
+                                        "h2o_1of4": {"tokens_per_s": 250.0, "batch": 15}}).splitlines()
+    h2o = next(r for r in rows if "| h2o_1of4 |" in r)
+    assert "| +3.00 |" in h2o and "| 0.400 |" in h2o and "| 15 | 2.50× |" in h2o
