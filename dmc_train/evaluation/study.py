@@ -262,11 +262,14 @@ def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None
 
 def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = print) -> dict:
     """Train what ``cell`` needs, evaluate it, write ``<out>/cells/<name>.json``; an existing file is returned
-    as it is (delete it to redo the cell)."""
+    as it is (delete it to redo the cell), with the lm-eval tasks added when the preset wants them."""
     path = cell_path(out, cell.name)
     if os.path.exists(path):
         with open(path) as f:
-            return json.load(f)
+            result = json.load(f)
+        if preset.lm_eval_limit and "lm_eval" not in result:
+            _write(path, _with_lm_eval(result, preset, say))
+        return result
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     log = os.path.join(out, "logs", f"{cell.name}.log")
     start = time.perf_counter()
@@ -276,19 +279,28 @@ def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = 
     say(f"evaluating {cell.name} ({cell.method}, {cell.fraction:g} of the bytes)")
     result = evaluate_cell(cell, preset, run_dir, progress=say)
     if preset.lm_eval_limit:
-        from dmc_train.evaluation.lm_eval_run import run_tasks
-
-        say(f"lm-eval on {cell.name}: {', '.join(LM_EVAL_TASKS)}, {preset.lm_eval_limit} documents each")
-        result["lm_eval"] = run_tasks(result["checkpoint"], result["cache"], result["options"], LM_EVAL_TASKS,
-                                      preset.lm_eval_limit)
+        _with_lm_eval(result, preset, say)
     result["cell_seconds"] = time.perf_counter() - start
+    _write(path, result)
+    say(f"{cell.name}: perplexity {result['ppl']:.2f}, {result['compression']:.2f}x fewer KV bytes "
+        f"({result['cell_seconds']:.0f}s)")
+    return result
+
+
+def _with_lm_eval(result: dict, preset: Preset, say: Callable[[str], None]) -> dict:
+    from dmc_train.evaluation.lm_eval_run import run_tasks
+
+    say(f"lm-eval on {result['name']}: {', '.join(LM_EVAL_TASKS)}, {preset.lm_eval_limit} documents each")
+    result["lm_eval"] = run_tasks(result["checkpoint"], result["cache"], result["options"], LM_EVAL_TASKS,
+                                  preset.lm_eval_limit)
+    return result
+
+
+def _write(path: str, result: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)
-    say(f"{cell.name}: perplexity {result['ppl']:.2f}, {result['compression']:.2f}x fewer KV bytes "
-        f"({result['cell_seconds']:.0f}s)")
-    return result
 
 
 def load_cells(out: str, cells: list[Cell]) -> list[dict]:
