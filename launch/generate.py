@@ -107,6 +107,8 @@ def report(engine, outputs, summary) -> None:
     if st["decode_s"]:
         print(f"decode: {st['decode_tokens']} tokens in {st['decode_s']:.2f}s "
               f"({st['decode_tokens'] / st['decode_s']:.0f} tokens/s, up to {st['max_running']} sequences at once)")
+    if st["preemptions"]:
+        print(f"preempted {st['preemptions']} times for pages; {st['recomputed_tokens']} generated tokens recomputed")
     print(f"KV cache ({engine.cache_name}): peak {mem['peak'] / 2**20:.2f} MiB of a {mem['total'] / 2**20:.2f} MiB "
           f"pool ({mem['pages']} pages x {mem['page_bytes']} bytes)")
     if summary.get("kv_bytes_at_end"):

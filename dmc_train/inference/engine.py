@@ -13,16 +13,24 @@ Each :meth:`Engine.step`:
    that does not fit in the free pages waits until a running request ends and frees pages; one that
    cannot fit even in an empty pool fails with a one-line error.
 2. **decodes** one token for every running request in one batched forward. The pages a step can
-   take are reserved first; if they are not there, the most recently admitted requests fail
-   ("out of KV pages") and the others continue.
+   take are reserved first, oldest request first; when they are not there, the newest running
+   requests are **preempted** (as vLLM does): their pages go back to the pool and they wait at the
+   head of the queue, to be recomputed from their prompt and the tokens they generated once pages
+   free. A request fails only when its step cannot get its pages even with the pool to itself.
 3. **finishes** requests (stop token, eos, stop string, max new tokens, the model's maximum
    positions) and returns their pages to the pool.
 
-A request's tokens do not depend on the others in the batch (per-request positions, caches, seeds).
+A request's tokens do not depend on the others in the batch (per-request positions, caches, seeds), nor
+on being preempted: a recompute rebuilds its cache as its uninterrupted run built it (one prefill of
+prompt + generated tokens when the cache's ``prefill_equals_decode`` says that is the same, else the
+prompt's prefill and the generated tokens fed again through decode steps) and samples nothing, so a
+seeded request's generator draws exactly once per generated token, in order, however often it is
+preempted.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from collections import deque
@@ -65,6 +73,7 @@ class Output:
     entries: Optional[list[list[int]]] = None
     compression: dict = field(default_factory=dict)
     kv_bytes: dict = field(default_factory=dict)
+    preemptions: int = 0  # times its pages were taken back and it was recomputed
 
 
 @dataclass
@@ -77,10 +86,21 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     streamed: str = ""  # the part of ``text`` already sent in events
+    cached: int = 0  # tokens written into the cache (prompt, then generated ones); 0 while waiting
+    preemptions: int = 0
 
     @property
-    def position(self) -> int:  # position of the last sampled token, the next one to feed
+    def position(self) -> int:  # position of the last sampled token
         return len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def replaying(self) -> bool:
+        """True while a recompute feeds generated tokens again (the next decode step samples nothing)."""
+        return self.cached < self.position
+
+    @property
+    def next_token(self) -> int:  # the token the next decode step feeds, at position ``cached``
+        return self.tokens[self.cached - len(self.prompt)]
 
 
 class Engine:
@@ -133,7 +153,8 @@ class Engine:
         self.finished: dict[int, Output] = {}
         self._next_id = 0
         self._blocked_free = -1  # free pages when the head of the queue last failed to fit
-        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "max_running": 0}
+        self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "max_running": 0,
+                      "preemptions": 0, "recomputed_tokens": 0}
 
     def new_cache(self) -> KVCache:
         """A cache of the engine's kind on the engine's pool (the engine's own is ``self.cache``)."""
@@ -190,15 +211,18 @@ class Engine:
     def _admit(self) -> list[Event]:
         events = []
         while self.waiting and len(self.running) < self.max_batch:
-            if len(self.pool.free_pages) <= self._blocked_free:
-                break  # nothing was freed since the head of the queue last failed to fit
+            if self.running and len(self.pool.free_pages) <= self._blocked_free:
+                break  # nothing was freed since the head of the queue last failed to fit (or was preempted)
             req = self.waiting[0]
+            # a preempted request is recomputed: its prompt and the generated tokens its cache held, in one
+            # prefill when that equals decoding them, else the prompt alone and the rest replayed by decode steps
+            fed = req.prompt + (req.tokens[:-1] if self.cache.prefill_equals_decode else [])
             self.cache.add(req.id, req.params.max_new_tokens)
             try:
                 start = time.perf_counter()
-                logits = self.model.prefill(self.cache, req.id, torch.tensor(req.prompt))
+                logits = self.model.prefill(self.cache, req.id, torch.tensor(fed))
                 self.stats["prefill_s"] += time.perf_counter() - start
-                self.stats["prefill_tokens"] += len(req.prompt)
+                self.stats["prefill_tokens"] += len(fed)
             except OutOfPages as e:
                 self.cache.release(req.id)
                 if self.running:
@@ -210,35 +234,71 @@ class Engine:
                 continue
             self._blocked_free = -1
             self.waiting.popleft()
-            self.running.append(req)
-            events.append(self._accept(req, int(self._sample(logits[-1:], [req])[0])))
+            self._insert(self.running, req)
+            req.cached = len(fed)
+            if req.tokens:  # recomputed: its next token is known, nothing is sampled
+                self.stats["recomputed_tokens"] += len(fed) - len(req.prompt)
+            else:
+                events.append(self._accept(req, int(self._sample(logits[-1:], [req])[0])))
         return events
 
-    def _decode(self) -> list[Event]:
-        events, overflow = [], []
-        free = len(self.pool.free_pages)
-        needs = self.cache.decode_pages_needed([r.id for r in self.running])
-        for req, need in zip(self.running, needs):  # reserve the pages this step can take, oldest first
-            if need > free:
-                overflow.append(req)
+    def _reserve(self) -> list[Event]:
+        """Reserve the pages this decode step can take, oldest request first. A request that does not find
+        them preempts the newest running ones until it does; the newest left waits itself; the oldest,
+        with the pool to itself, fails."""
+        events, reserved, i = [], 0, 0
+        needs = dict(zip([r.id for r in self.running], self.cache.decode_pages_needed([r.id for r in self.running])))
+        while i < len(self.running):
+            req = self.running[i]
+            while needs[req.id] > len(self.pool.free_pages) - reserved and self.running[-1] is not req:
+                self._preempt(self.running[-1])
+            if needs[req.id] <= len(self.pool.free_pages) - reserved:
+                reserved += needs[req.id]
+                i += 1
+            elif i > 0:
+                self._preempt(req)
             else:
-                free -= need
-        for req in overflow:
-            events.append(self._fail(req, f"out of KV pages mid-generation after {len(req.tokens)} tokens "
-                                          f"({self.pool.num_pages} pages of {self.pool.page_size} entries); raise "
-                                          f"kv_bytes or lower max_batch"))
+                events.append(self._fail(req, f"the request needs {needs[req.id]} more KV pages after "
+                                              f"{len(req.prompt)} prompt + {len(req.tokens)} generated tokens and "
+                                              f"only {len(self.pool.free_pages)} of {self.pool.num_pages} are free "
+                                              f"with nothing else running; raise kv_bytes or lower max_new_tokens"))
+        return events
+
+    def _preempt(self, req: _Request) -> None:
+        """Give a running request's pages back and queue it (in arrival order) to be recomputed."""
+        self.cache.release(req.id)
+        self.running.remove(req)
+        req.cached = 0
+        req.preemptions += 1
+        self.stats["preemptions"] += 1
+        self._insert(self.waiting, req)
+
+    @staticmethod
+    def _insert(queue, req: _Request) -> None:
+        """Insert ``req`` into ``queue`` (the running list or the waiting queue, both in arrival order)."""
+        queue.insert(bisect.bisect([r.id for r in queue], req.id), req)
+
+    def _decode(self) -> list[Event]:
+        preempted = self.stats["preemptions"]
+        events = self._reserve()
         if not self.running:
             return events
         batch = list(self.running)
-        tokens = torch.tensor([r.tokens[-1] for r in batch])
-        positions = torch.tensor([r.position for r in batch])
+        tokens = torch.tensor([r.next_token for r in batch])
+        positions = torch.tensor([r.cached for r in batch])
+        sampled = [i for i, r in enumerate(batch) if not r.replaying]
         start = time.perf_counter()
         logits = self.model.decode(self.cache, [r.id for r in batch], tokens, positions)
         self.stats["decode_s"] += time.perf_counter() - start
-        self.stats["decode_tokens"] += len(batch)
-        new = self._sample(logits, batch)
-        for req, token in zip(batch, new.tolist()):
-            events.append(self._accept(req, token))
+        self.stats["decode_tokens"] += len(sampled)
+        self.stats["recomputed_tokens"] += len(batch) - len(sampled)
+        for req in batch:
+            req.cached += 1
+        new = self._sample(logits[sampled], [batch[i] for i in sampled]) if sampled else torch.empty(0)
+        for i, token in zip(sampled, new.tolist()):
+            events.append(self._accept(batch[i], token))
+        if self.stats["preemptions"] > preempted and self.running:
+            self._blocked_free = len(self.pool.free_pages)  # the preempted wait until a request ends
         return events
 
     def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
@@ -264,7 +324,7 @@ class Engine:
         return new
 
     def _finish(self, req: _Request, reason: Optional[str], error: Optional[str] = None) -> None:
-        out = Output(req.id, req.prompt, req.tokens, req.text, reason, error)
+        out = Output(req.id, req.prompt, req.tokens, req.text, reason, error, preemptions=req.preemptions)
         if req.id in self.cache.rows:
             entries = self.cache.entries(req.id)
             tokens = len(req.prompt) + len(req.tokens) - 1  # written into the cache (the last one never fed)

@@ -55,6 +55,11 @@ class KVCache:
     needs_decisions = False  # True: the model must pass DMC decisions in TokenInfo
     rope_in_cache = False  # True: q and k arrive before RoPE (the cache numbers positions itself: no length limit)
     prefill_chunk: Optional[int] = None  # a prompt arrives in chunks of this many tokens (None: whole)
+    # True: prefilling a prompt followed by generated tokens leaves the cache as prefilling the prompt and
+    # decoding them did (full, DMC), so the engine recomputes a preempted request in one prefill; False (an
+    # eviction policy chooses differently over a whole prompt than step by step): it prefills the prompt and
+    # feeds the generated tokens again through decode steps
+    prefill_equals_decode = False
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float):
         self.pool, self.num_layers, self.num_kv_heads, self.scale = pool, num_layers, num_kv_heads, scale

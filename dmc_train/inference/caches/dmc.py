@@ -50,6 +50,7 @@ class DMCCache(KVCache):
 
     name = "dmc"
     needs_decisions = True
+    prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)

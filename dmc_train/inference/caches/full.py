@@ -17,6 +17,7 @@ class FullCache(KVCache):
     """Keeps everything; attention as in training (causal at prefill, over all entries at decode)."""
 
     name = "full"
+    prefill_equals_decode = True
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
         n = k.shape[2]
