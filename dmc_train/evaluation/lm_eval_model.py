@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
 
 from dmc_train.errors import CheckpointError, ConfigError, InferenceError
 from dmc_train.inference.caches import CACHES, check_cache
@@ -68,6 +69,9 @@ class DMCTrainLM(TemplateLM):
         self.model, loaded = LlamaForInference.from_checkpoint(str(checkpoint), dtype)
         self.cache_name = self.model.default_cache if cache == "auto" else str(cache)
         check_cache(self.cache_name, self.model)
+        if self.model.dmc is not None and self.cache_name != "dmc":
+            raise InferenceError(f"{checkpoint} is a DMC model: lm-eval scores it with its DMC cache (cache=auto or "
+                                 f"dmc), not {self.cache_name!r}")
         path = tokenizer or loaded.cfg.data.tokenizer
         if not path or not os.path.exists(path):
             raise CheckpointError(f"checkpoint {checkpoint} has no tokenizer file (data.tokenizer={path!r}); pass "
@@ -75,7 +79,11 @@ class DMCTrainLM(TemplateLM):
         self.tokenizer = load_tokenizer(path)
         self.checkpoint, self.route, self.options = str(checkpoint), route, dict(options)
         self.batch_size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
-        self._max_length = int(max_length) if max_length else self.model.shape.max_positions
+        positions = self.model.shape.max_positions
+        self._max_length = int(max_length) if max_length else positions
+        if self._max_length > positions and self.cache_name != "lightcache":
+            raise ConfigError(f"max_length={self._max_length} is more than the model's {positions} positions; only "
+                              f"the lightcache cache numbers positions itself and runs past them")
         self.max_gen_toks = int(max_gen_toks)
         self.scorer, self.budget = self._parallel_form()
         self._engine = None
@@ -106,7 +114,7 @@ class DMCTrainLM(TemplateLM):
                 windows.append((None, ctx, cont))
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows)):
+        for i, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm)):
             totals[i] += logprob
         return totals
 
@@ -115,7 +123,8 @@ class DMCTrainLM(TemplateLM):
         items = [self._truncate(ctx, cont) for _, ctx, cont in requests]
         results: list[Optional[tuple[float, bool]]] = [None] * len(items)
         score = self._score_parallel if self.route == "parallel" else self._score_engine
-        for batch in self._batches(items):
+        for batch in tqdm(self._batches(items), desc=f"log-likelihoods ({self.cache_name}, {self.route})",
+                          disable=disable_tqdm):
             for i, r in zip(batch, score([items[i] for i in batch])):
                 results[i] = r
         return results  # type: ignore[return-value]
@@ -140,7 +149,8 @@ class DMCTrainLM(TemplateLM):
             params.append(SamplingParams(max_new_tokens=new, temperature=temperature, stop=tuple(until),
                                          seed=0 if sample else None))
         texts = []
-        for first in range(0, len(prompts), self.batch_size):
+        for first in tqdm(range(0, len(prompts), self.batch_size), desc=f"generation ({self.cache_name})",
+                          disable=disable_tqdm):
             outs = self.engine.generate(prompts[first: first + self.batch_size], params[first: first + self.batch_size])
             for out in outs:
                 if out.error:

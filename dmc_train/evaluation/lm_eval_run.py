@@ -12,6 +12,7 @@ task names (HellaSwag, ARC, MMLU, LongBench...) come from lm-eval's own task tre
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional, Sequence
 
@@ -33,11 +34,14 @@ def set_offline() -> None:
 def evaluate_tasks(checkpoint: Optional[str] = None, cache: str = "auto", options: Optional[dict] = None,
                    tasks: Sequence[str] = (TAG,), limit: Optional[float] = None, route: str = "parallel",
                    hf_dir: Optional[str] = None, batch_size: int = 8, task_dir: str = DEFAULT_DIR,
-                   model_args: Optional[dict] = None, log_samples: bool = False) -> dict:
+                   model_args: Optional[dict] = None, log_samples: bool = False,
+                   num_fewshot: Optional[int] = None, samples: Optional[dict[str, list[int]]] = None) -> dict:
     """lm-eval's results for ``tasks`` on ``checkpoint`` (with ``cache`` and its ``options``, by ``route``) or
-    on the Hugging Face directory ``hf_dir`` (lm-eval's ``hf`` model, ``trust_remote_code`` for DMC exports).
+    on the Hugging Face directory ``hf_dir`` (lm-eval's ``hf`` model, ``trust_remote_code`` for DMC exports, the
+    EOS token before an empty context and each rolling window, as the ``dmc_train`` class).
     ``limit``: the first N documents of each task (or a fraction). ``model_args``: more arguments of the model
-    class. Returns the dict of ``lm_eval.simple_evaluate`` (``results``: ``{task: {"acc,none": ...}}``)."""
+    class. ``num_fewshot``: examples before each document (lm-eval's own tasks; the shipped ones are zero-shot).
+    Returns the dict of ``lm_eval.simple_evaluate`` (``results``: ``{task: {"acc,none": ...}}``)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -54,7 +58,8 @@ def evaluate_tasks(checkpoint: Optional[str] = None, cache: str = "auto", option
         raise ConfigError(f"unknown task {unknown[0]!r}; the shipped tasks are {', '.join(TASKS)} (all: {TAG}); "
                           f"lm-eval's own tasks are listed by `lm-eval ls tasks`")
     common = {"tasks": list(tasks), "limit": limit, "task_manager": manager, "log_samples": log_samples,
-              "bootstrap_iters": BOOTSTRAP_ITERS}
+              "bootstrap_iters": BOOTSTRAP_ITERS, "num_fewshot": num_fewshot,
+              "samples": samples}
     if hf_dir is not None:
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise CheckpointError(f"{hf_dir} is not a Hugging Face model directory (no config.json); export one with "
@@ -62,11 +67,19 @@ def evaluate_tasks(checkpoint: Optional[str] = None, cache: str = "auto", option
         from lm_eval.models.huggingface import HFLM
 
         args = {"pretrained": hf_dir, "trust_remote_code": True, "dtype": "float32", "device": "cpu",
-                "batch_size": batch_size, **(model_args or {})}
+                "batch_size": batch_size, **_eos_prefix(hf_dir), **(model_args or {})}
         return lm_eval.simple_evaluate(model=HFLM(**args), **common)
     lm = DMCTrainLM(checkpoint, cache=cache, route=route, batch_size=batch_size, **(model_args or {}),
                     **(options or {}))
     return lm_eval.simple_evaluate(model=lm, **common)
+
+
+def _eos_prefix(hf_dir: str) -> dict:
+    """``{"prefix_token_id": EOS}`` of an export: this project's models train on EOS-separated documents with no
+    BOS, so EOS (what the ``dmc_train`` class uses) starts a document; lm-eval's ``hf`` model would take BOS."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        eos = json.load(f).get("eos_token_id")
+    return {"prefix_token_id": eos} if isinstance(eos, int) else {}
 
 
 def main_metrics(results: dict) -> dict[str, float]:
