@@ -25,13 +25,16 @@ def evaluate_app(cfg) -> None:
 
     def run():
         r = evaluate_checkpoint(cfg)
-        if distributed.is_rank0() and "test" in r and isinstance(r["test"], dict):  # the harness: a table row
+        if not distributed.is_rank0():
+            return
+        cache = f"; cache {r['cache']}, budget {r['budget']} ({r['schedule']})" if "cache" in r else ""
+        print(f"checkpoint {r['checkpoint']} (step {r['step']}){cache}")
+        if isinstance(r.get("test", r.get("valid")), dict):  # the harness: a table row
             from dmc_train.evaluation.report import markdown_table, run_name
 
-            print(markdown_table([{**r, "name": run_name(r["checkpoint"])}]))
-        elif distributed.is_rank0():
-            cache = f"; cache {r['cache']}, budget {r['budget']} ({r['schedule']})" if "cache" in r else ""
-            print(f"checkpoint {r['checkpoint']} (step {r['step']}){cache}")
+            split = "test" if "test" in r else "valid"
+            print(markdown_table([{**r, "name": run_name(r["checkpoint"])}], split))
+        else:
             for split in ("valid", "test"):
                 if f"{split}_ppl" in r:
                     uni = r.get(f"{split}_unigram_ppl")
