@@ -124,16 +124,14 @@ def main(argv=None) -> None:
     from dmc_train import cli
 
     def run():
-        from dmc_train.conversion.hf_export import parse_size
         from dmc_train.inference.engine import Engine, summarize
         from dmc_train.inference.sampling import SamplingParams
 
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
         prompts = read_prompts(args)
-        kv_bytes = parse_size(args.kv_bytes) if args.kv_bytes else None
         engine = Engine.from_checkpoint(args.checkpoint, dtype=args.dtype, tokenizer=args.tokenizer, cache=args.cache,
-                                        page_size=args.page_size, kv_bytes=kv_bytes, max_batch=args.max_batch,
+                                        page_size=args.page_size, kv_bytes=args.kv_bytes, max_batch=args.max_batch,
                                         **cache_options(args))
         if getattr(engine.cache, "note", None):
             print(f"note: {engine.cache.note}", file=sys.stderr)

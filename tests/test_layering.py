@@ -20,6 +20,7 @@ LAYERS = {
     "dmc_train.errors": 0,
     "dmc_train": 1,  # the package's __init__ only (it installs megatron_import's hooks)
     "dmc_train.config": 1,
+    "dmc_train.units": 1,  # byte sizes as users write them (torch-free)
     "dmc_train.distributed": 2,
     "dmc_train.plotting": 2,
     "kernels": 3,

@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import shutil
 from importlib import metadata as importlib_metadata
 from typing import Any, Callable, Iterator, Optional
@@ -48,33 +47,18 @@ from dmc_train.errors import CheckpointError, ConfigError
 from dmc_train.models.hf_config import hf_config_from_model
 from dmc_train.models.llama_weights import megatron_to_hf
 from dmc_train.training.checkpointing import find_checkpoint, read_meta, replace_dir
+from dmc_train.units import parse_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DMC_METHODS = ("dmc", "fixed_pooling")
 DEFAULT_SHARD_SIZE = "5GB"
 INDEX = "model.safetensors.index.json"
 MANIFEST = "manifest.json"
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,
-          "GIB": 2 ** 30}
 
 
 # ----------------------------------------------------------------------------------------------
 # Small checks
 # ----------------------------------------------------------------------------------------------
-def parse_size(size: int | str) -> int:
-    """``"500MB"``, ``"2GB"``, ``"1GiB"`` or a byte count -> bytes (ConfigError when unreadable)."""
-    if isinstance(size, int):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-        if m is None:
-            raise ConfigError(f"--max-shard-size {size!r} is not a size; use e.g. 500MB, 5GB or a byte count")
-        value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-    if value <= 0:
-        raise ConfigError(f"--max-shard-size {size!r} must be positive")
-    return value
-
-
 # The project's precision names (train.precision, the importer's --dtype) are accepted too.
 PRECISION_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -179,7 +163,7 @@ def write_model_dir(loaded: Any, directory: str, dtype: str = "float32",
     special = {k: tok[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if tok.get(k) is not None}
     config.update(special)
     index = write_shards(hf_tensors(chunk, heads, groups, torch_dtype, skip=("lm_head.weight",) if tie else ()),
-                         directory, parse_size(max_shard_size))
+                         directory, parse_size(max_shard_size, "--max-shard-size"))
     if finish_config is not None:
         config = finish_config(directory, config)
     _write_json(os.path.join(directory, "config.json"), config)
@@ -261,7 +245,7 @@ def export_hf(checkpoint: str, out: str, overwrite: bool = False, dtype: str = "
     from dmc_train.training.model_loading import load_model
 
     dtype = dtype_name(dtype)
-    parse_size(max_shard_size)
+    parse_size(max_shard_size, "--max-shard-size")
     if read_launch_env().world_size > 1:
         raise ConfigError("the Hugging Face export runs in one process; start it with python, not torchrun")
     ckpt = find_checkpoint(checkpoint)

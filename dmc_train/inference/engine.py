@@ -43,7 +43,7 @@ import torch
 from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.inference.caches import KVCache, build_cache, check_cache
 from dmc_train.inference.model import LlamaForInference
-from dmc_train.inference.pool import PagePool, check_page_size
+from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams, StopChecker, make_generator, sample
 
 
@@ -113,37 +113,29 @@ class Engine:
             ``CACHES`` (``full``, ``dmc``, or an eviction policy: ``h2o``, ``tova``, ``streaming_llm``,
             ``keyformer``, ``lsh_e``, ``knorm``).
         page_size: entries per page (power of two >= 16).
-        kv_bytes: the K/V page budget in bytes (default: room for ``max_batch`` sequences of the
-            model's maximum length uncompressed).
+        kv_bytes: the K/V page budget, in bytes or a size such as ``"64MB"`` (default: room for ``max_batch``
+            sequences of the model's maximum length uncompressed); :meth:`PagePool.for_budget` makes the pool.
         max_batch: most requests running at once (rows of the block table).
         cache_options: the cache's options, e.g. ``budget=128`` (or ``0.25`` of the context),
             ``schedule="decode"``, ``recent_fraction=0.5`` (``docs/INFERENCE.md``).
     """
 
     def __init__(self, model: LlamaForInference, tokenizer: Any = None, cache: str = "auto", page_size: int = 16,
-                 kv_bytes: Optional[int] = None, max_batch: int = 16, **cache_options: Any):
+                 kv_bytes: int | str | None = None, max_batch: int = 16, **cache_options: Any):
         s = model.shape
         name = model.default_cache if cache == "auto" else cache
         check_cache(name, model)
         if max_batch < 1:
             raise InferenceError(f"max_batch={max_batch} must be >= 1")
-        rows_per_seq = s.num_layers * s.num_kv_heads
-        pages_per_row = -(-s.max_positions // page_size)
-        check_page_size(page_size)
-        page_bytes = 2 * page_size * s.head_dim * model.dtype.itemsize  # K and V
-        num_pages = max_batch * rows_per_seq * pages_per_row if kv_bytes is None else int(kv_bytes) // page_bytes
-        if num_pages < rows_per_seq:
-            raise InferenceError(f"kv_bytes={kv_bytes} holds {num_pages} pages of {page_bytes} bytes, fewer "
-                                 f"than one page per KV head per layer ({rows_per_seq}); raise it to at least "
-                                 f"{rows_per_seq * page_bytes}")
         if tokenizer is not None and tokenizer.vocab_size > s.vocab_size:
             raise InferenceError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {s.vocab_size}; "
                                  f"use the tokenizer the model was trained with")
+        rows_per_seq = s.num_layers * s.num_kv_heads  # one pool row per (layer, KV head) of a sequence
+        self.pool = PagePool.for_budget(kv_bytes, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
+                                        rows_per_seq, dtype=model.dtype)
         self.model, self.tokenizer = model, tokenizer
         # ids past the tokenizer's (a padded embedding) are never sampled
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else s.vocab_size
-        self.pool = PagePool(num_pages, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
-                             dtype=model.dtype)
         self.cache_name, self.cache_options, self.max_batch = name, cache_options, max_batch
         self.cache = self.new_cache()
         # a cache that numbers positions itself (LightCache: a window at its own positions) has no length limit

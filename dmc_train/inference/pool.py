@@ -10,6 +10,7 @@ number of entries per (sequence, layer, KV head), so here every such triple is i
 
 Pages are taken from the free list when a row grows past a page boundary and return to it when the
 request ends (:meth:`PagePool.free_rows`). :meth:`nbytes` reports what is allocated now and at peak.
+All page arithmetic is here: :meth:`PagePool.for_budget` turns a byte budget into pages.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
+from dmc_train.units import parse_size
 from kernels.paged import paged_attention, paged_write
 
 MIN_PAGE_SIZE = 16
@@ -52,6 +54,30 @@ class PagePool:
         self.free_row_ids: list[int] = list(range(max_rows - 1, -1, -1))
         self.peak_pages = 0
 
+    @classmethod
+    def for_budget(cls, kv_bytes: int | str | None, page_size: int, head_dim: int, max_rows: int, max_entries: int,
+                   rows_per_seq: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   value_dim: int | None = None) -> "PagePool":
+        """The pool whose K/V pages fit in ``kv_bytes`` (bytes, or a size such as ``"64MB"``; None: every one
+        of ``max_rows`` rows can hold ``max_entries`` entries). A one-line error when it would not hold one
+        page for each of the ``rows_per_seq`` rows of a sequence."""
+        check_page_size(page_size)
+        page_bytes = cls.bytes_per_page(page_size, head_dim, dtype, value_dim)
+        if kv_bytes is None:
+            num_pages = max_rows * -(-max_entries // page_size)
+        else:
+            num_pages = parse_size(kv_bytes, "kv_bytes") // page_bytes
+        if num_pages < rows_per_seq:
+            raise InferenceError(f"kv_bytes={kv_bytes} holds {num_pages} pages of {page_bytes} bytes, fewer than one "
+                                 f"page per KV head per layer ({rows_per_seq}); raise it to at least "
+                                 f"{rows_per_seq * page_bytes}")
+        return cls(num_pages, page_size, head_dim, max_rows, max_entries, dtype, device, value_dim)
+
+    @staticmethod
+    def bytes_per_page(page_size: int, head_dim: int, dtype: torch.dtype, value_dim: int | None = None) -> int:
+        """Bytes of one page: ``page_size`` keys of ``head_dim`` and values of ``value_dim`` (default head_dim)."""
+        return page_size * (head_dim + (value_dim or head_dim)) * dtype.itemsize
+
     # -- sizes ------------------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
@@ -59,7 +85,7 @@ class PagePool:
 
     @property
     def page_bytes(self) -> int:
-        return self.k_pages[0].nbytes + self.v_pages[0].nbytes
+        return self.bytes_per_page(self.page_size, self.k_pages.shape[-1], self.dtype, self.v_pages.shape[-1])
 
     @property
     def used_pages(self) -> int:

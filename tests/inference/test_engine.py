@@ -88,6 +88,7 @@ def test_a_byte_budget_admits_what_fits_and_runs_the_rest_later(make_model):
     outs = engine.generate([PROMPTS[0]] * 6, SamplingParams(max_new_tokens=8))  # 5 + 8 tokens: one page per row
     assert engine.stats["max_running"] == 3
     assert all(o.error is None and o.tokens == outs[0].tokens for o in outs)
+    assert Engine(model, kv_bytes=f"{budget}B").pool.num_pages == engine.pool.num_pages  # sizes as users write them
 
 
 def test_running_out_of_pages_preempts_the_newest_and_every_request_finishes(make_model):

@@ -55,3 +55,15 @@ def test_rows_are_limited_and_cannot_outgrow_the_model():
         p.new_rows(1)
     with pytest.raises(InferenceError, match="would hold 33 entries, more than the model's 32 positions"):
         p.grow(rows[:1], torch.tensor([33]))
+
+
+def test_a_byte_budget_becomes_whole_pages_in_the_pool():
+    fp32 = PagePool.bytes_per_page(16, 8, torch.float32)
+    assert fp32 == 16 * (8 + 8) * 4 and PagePool.bytes_per_page(16, 8, torch.bfloat16, value_dim=4) == 16 * 12 * 2
+    p = PagePool.for_budget(10 * fp32 + fp32 // 2, 16, 8, max_rows=4, max_entries=64, rows_per_seq=2)
+    assert p.num_pages == 10 and p.page_bytes == fp32  # whole pages only
+    assert PagePool.for_budget("5KiB", 16, 8, 4, 64, 2).num_pages == 5 * 1024 // fp32
+    assert PagePool.for_budget(None, 16, 8, max_rows=4, max_entries=40, rows_per_seq=2).num_pages == 4 * 3  # full rows
+    with pytest.raises(InferenceError, match=f"kv_bytes=1500 holds 1 pages of {fp32} bytes, fewer than one page per "
+                                             f"KV head per layer \\(2\\); raise it to at least {2 * fp32}"):
+        PagePool.for_budget(1500, 16, 8, 4, 64, rows_per_seq=2)
