@@ -209,12 +209,15 @@ class DMCTrainLM(TemplateLM):
         return whole[: len(whole) - len(cont)], cont
 
     def _batches(self, items: list[tuple[list[int], list[int]]]) -> list[list[int]]:
-        """Request indices in batches of ``batch_size``, longest first. An eviction policy's parallel form
-        takes one prompt length and one generation length per batch, so its batches share both."""
+        """Request indices in batches of ``batch_size``, longest first, right-padded (causal: padding is never
+        seen). An eviction policy's parallel form takes one prompt length per batch, so its batches share the
+        context length; Keyformer's temperature schedule also depends on the generation length (its horizon),
+        so its batches share that too."""
         by_key: dict[tuple, list[int]] = defaultdict(list)
-        exact = self.route == "parallel" and self.cache_name not in ("full", "dmc", "lightcache")
+        policy = self.route == "parallel" and self.cache_name not in ("full", "dmc", "lightcache")
+        horizon = policy and self.scorer.name == "keyformer"
         for i, (ctx, cont) in enumerate(items):
-            by_key[(len(ctx), len(cont)) if exact else ()].append(i)
+            by_key[((len(ctx),) if policy else ()) + ((len(cont),) if horizon else ())].append(i)
         batches = []
         for key in sorted(by_key):
             group = sorted(by_key[key], key=lambda i: -(len(items[i][0]) + len(items[i][1])))
@@ -229,7 +232,9 @@ class DMCTrainLM(TemplateLM):
             logits = self.model.forward(tokens)
         else:
             less = self.model.less if self.cache_name == "less" else None
-            logits = self.model.forward_with_policy(tokens, self.scorer, self.budget, len(batch[0][0]), less=less)
+            horizon = max(len(cont) for _, cont in batch) - 1  # what each sequence decodes (padding included)
+            logits = self.model.forward_with_policy(tokens, self.scorer, self.budget, len(batch[0][0]), horizon,
+                                                    less=less)
         return [_continuation_score(logits[i, len(ctx) - 1: len(ctx) - 1 + len(cont)], cont)
                 for i, (ctx, cont) in enumerate(batch)]
 
