@@ -15,10 +15,13 @@ Shakespeare text (``data_cache/shakespeare/texts/valid``), greedy decoding to ``
    all at once (``kv_bytes`` = budget), from ``context / 2`` prompt tokens to ``context``. Decode
    throughput (tokens/s) and the per-token latency per context bucket come from this run.
 3. Prefill of a ``context - 1`` token prompt: one parallel pass vs one token at a time.
-4. The paged decode op (``kernels.paged``) on rows holding n tokens, with a block table sized for
+4. Time to first token of 8 prompts of mixed lengths (``context / 16`` to ``15 context / 16``) submitted
+   at once: admitted together and prefilled in one forward (packed, no padding) vs one prompt per
+   forward (``max_prefill_tokens=1``), in ``--ttft-rounds`` interleaved rounds; medians and ranges.
+5. The paged decode op (``kernels.paged``) on rows holding n tokens, with a block table sized for
    ``--paged-width`` tokens, against attention over the padded width.
 
-Prints ratios measured in this run (this machine is noisy) and writes ``--out`` (PNG).
+Prints ratios measured in this run (this machine is noisy) and writes ``--out`` (PNG, default under runs/).
 """
 
 import argparse
@@ -95,6 +98,28 @@ def prefill_times(engine, prompt: list[int]) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def first_token_times(model, tokenizer, page_size: int, lengths: list[int], rounds: int) -> dict:
+    """Seconds until every one of ``len(lengths)`` prompts (those lengths, submitted at once) has its first
+    token: ``batched`` (the engine prefills what it admits in one forward) and ``serial`` (one prompt per
+    forward), timed in ``rounds`` interleaved rounds whose order alternates; ``{mode: (median, min, max)}``."""
+    import statistics
+
+    from dmc_train.inference.engine import Engine
+    from dmc_train.inference.sampling import SamplingParams
+
+    batch = [p[:n] for p, n in zip(prompts(tokenizer, len(lengths), max(lengths)), lengths)]
+    engines = {"batched": Engine(model, tokenizer, page_size=page_size, max_batch=len(lengths)),
+               "serial": Engine(model, tokenizer, page_size=page_size, max_batch=len(lengths), max_prefill_tokens=1)}
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)  # each request ends at its first token
+    times = {mode: [] for mode in engines}
+    for r in range(rounds):
+        for mode in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            t0 = time.perf_counter()
+            engines[mode].generate(batch, params)
+            times[mode].append(time.perf_counter() - t0)
+    return {mode: (statistics.median(t), min(t), max(t)) for mode, t in times.items()}
+
+
 def paged_cost(rows: int, width: int, lengths: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
     """``(n, paged seconds, padded seconds)``: decode attention over rows holding n tokens each, with a
     block table of ``width`` tokens; padded = dense attention over all ``width`` slots with a mask."""
@@ -159,7 +184,8 @@ def main() -> None:
     parser.add_argument("--budget-seqs", type=int, default=4, help="the KV budget, in vanilla sequences")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--paged-width", type=int, default=4096)
-    parser.add_argument("--out", default=os.path.join(ROOT, "docs/inference.png"))
+    parser.add_argument("--ttft-rounds", type=int, default=5, help="interleaved rounds of the time to first token")
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs/inference.png"))
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -170,6 +196,7 @@ def main() -> None:
         raise SystemExit("error: no checkpoints found; run README command 1 and "
                          "benchmarks/retrofit_study.py --preset tiny")
     half = args.context // 2
+    ttft_lengths = [max(1, args.context * f // 16) for f in (1, 15, 2, 8, 3, 12, 4, 6)]  # mixed, sum 4.5 contexts
     results, budget = {}, None
     for name, path in models.items():
         engine = Engine.from_checkpoint(path, page_size=args.page_size, max_batch=args.probe)
@@ -183,8 +210,9 @@ def main() -> None:
         engine = Engine(engine.model, engine.tokenizer, page_size=args.page_size, kv_bytes=budget, max_batch=fits)
         batch = run_batch(engine, prompts(engine.tokenizer, fits, half), args.context - half, 64)
         prefill = prefill_times(engine, probe[0] + probe[1][: args.context - 1 - half])
+        ttft = first_token_times(engine.model, engine.tokenizer, args.page_size, ttft_lengths, args.ttft_rounds)
         results[name] = {"per_seq": per_seq, "compression": compression, "fits": fits, "batch": batch,
-                         "prefill": prefill}
+                         "prefill": prefill, "ttft": ttft}
         print(f"{name}: {per_seq / 1024:.0f} KiB per sequence at {args.context} tokens (compression "
               f"{compression:.2f}x) -> {fits} sequences in {budget / 1024:.0f} KiB; decode "
               f"{batch['tokens_per_s']:.0f} tokens/s, failed {batch['failed']}; prefill {args.context - 1} tokens: "
@@ -201,6 +229,12 @@ def main() -> None:
         print(f"{name:5s} | {r['compression']:22.2f} | {r['per_seq'] / 1024:7.0f} | "
               f"{base_bytes / r['per_seq']:15.2f}x | {r['fits']:15d} | {tps:15.0f} | {tps / base_tps:6.2f} | "
               f"{par * 1e3:.0f} ms vs {step * 1e3:.0f} ms ({step / par:.0f}x)")
+    print(f"\ntime to first token of {len(ttft_lengths)} prompts of {min(ttft_lengths)}-{max(ttft_lengths)} tokens "
+          f"(sum {sum(ttft_lengths)}) submitted at once, median [range] of {args.ttft_rounds} interleaved rounds:")
+    for name, r in results.items():
+        (b, b_lo, b_hi), (s, s_lo, s_hi) = r["ttft"]["batched"], r["ttft"]["serial"]
+        print(f"  {name:5s} batched {b * 1e3:.0f} ms [{b_lo * 1e3:.0f}-{b_hi * 1e3:.0f}] vs one prompt per forward "
+              f"{s * 1e3:.0f} ms [{s_lo * 1e3:.0f}-{s_hi * 1e3:.0f}]: {s / b:.2f}x")
     print("\nper-token decode latency (ms) by context:")
     for name, r in results.items():
         print(f"  {name:5s} " + " ".join(f"{c}:{v * 1e3:.2f}" for c, v in r["batch"]["latency"].items()))

@@ -8,10 +8,11 @@
 
 Each :meth:`Engine.step`:
 
-1. **admits** waiting requests (first come, first served) while the batch has room: the prompt is
-   prefilled in one pass (the cache decides what it keeps) and the first token sampled. A prompt
-   that does not fit in the free pages waits until a running request ends and frees pages; one that
-   cannot fit even in an empty pool fails with a one-line error.
+1. **admits** waiting requests (first come, first served) while the batch has room: the prompts
+   admitted together are prefilled in one forward (packed, no padding: ``model.prefill_batch``; the
+   cache decides what it keeps) and their first tokens sampled. A prompt that does not fit in the free
+   pages waits until a running request ends and frees pages; one that cannot fit even in an empty pool
+   fails with a one-line error.
 2. **decodes** one token for every running request in one batched forward. The pages a step can
    take are reserved first, oldest request first; when they are not there, the newest running
    requests are **preempted** (as vLLM does): their pages go back to the pool and they wait at the
@@ -116,17 +117,22 @@ class Engine:
         kv_bytes: the K/V page budget, in bytes or a size such as ``"64MB"`` (default: room for ``max_batch``
             sequences of the model's maximum length uncompressed); :meth:`PagePool.for_budget` makes the pool.
         max_batch: most requests running at once (rows of the block table).
+        max_prefill_tokens: most prompt tokens prefilled together in one forward (it bounds the activations
+            and the ``[tokens, V]`` logits of a batched prefill; a longer prompt goes alone); None: no limit.
         cache_options: the cache's options, e.g. ``budget=128`` (or ``0.25`` of the context),
             ``schedule="decode"``, ``recent_fraction=0.5`` (``docs/INFERENCE.md``).
     """
 
     def __init__(self, model: LlamaForInference, tokenizer: Any = None, cache: str = "auto", page_size: int = 16,
-                 kv_bytes: int | str | None = None, max_batch: int = 16, **cache_options: Any):
+                 kv_bytes: int | str | None = None, max_batch: int = 16, max_prefill_tokens: Optional[int] = None,
+                 **cache_options: Any):
         s = model.shape
         name = model.default_cache if cache == "auto" else cache
         check_cache(name, model)
         if max_batch < 1:
             raise InferenceError(f"max_batch={max_batch} must be >= 1")
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise InferenceError(f"max_prefill_tokens={max_prefill_tokens} must be >= 1 (or None: no limit)")
         if tokenizer is not None and tokenizer.vocab_size > s.vocab_size:
             raise InferenceError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {s.vocab_size}; "
                                  f"use the tokenizer the model was trained with")
@@ -137,6 +143,7 @@ class Engine:
         # ids past the tokenizer's (a padded embedding) are never sampled
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else s.vocab_size
         self.cache_name, self.cache_options, self.max_batch = name, cache_options, max_batch
+        self.max_prefill_tokens = max_prefill_tokens
         self.cache = self.new_cache()
         # a cache that numbers positions itself (LightCache: a window at its own positions) has no length limit
         self.unbounded = self.cache.rope_in_cache
@@ -146,7 +153,7 @@ class Engine:
         self._next_id = 0
         self._blocked_free = -1  # free pages when the head of the queue last failed to fit
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "max_running": 0,
-                      "preemptions": 0, "recomputed_tokens": 0}
+                      "prefill_batches": 0, "preemptions": 0, "recomputed_tokens": 0}
 
     def new_cache(self) -> KVCache:
         """A cache of the engine's kind on the engine's pool (the engine's own is ``self.cache``)."""
@@ -205,18 +212,11 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch:
             if self.running and len(self.pool.free_pages) <= self._blocked_free:
                 break  # nothing was freed since the head of the queue last failed to fit (or was preempted)
-            req = self.waiting[0]
-            # a preempted request is recomputed: its prompt and the generated tokens its cache held, in one
-            # prefill when that equals decoding them, else the prompt alone and the rest replayed by decode steps
-            fed = req.prompt + (req.tokens[:-1] if self.cache.prefill_equals_decode else [])
-            self.cache.add(req.id, req.params.max_new_tokens)
+            group = self._prefill_group()
             try:
-                start = time.perf_counter()
-                logits = self.model.prefill(self.cache, req.id, torch.tensor(fed))
-                self.stats["prefill_s"] += time.perf_counter() - start
-                self.stats["prefill_tokens"] += len(fed)
-            except OutOfPages as e:
-                self.cache.release(req.id)
+                logits = self._prefill(group)
+            except OutOfPages as e:  # only a group of one: the others join only when they surely fit
+                req = group[0]
                 if self.running:
                     self._blocked_free = len(self.pool.free_pages)
                     break
@@ -225,14 +225,61 @@ class Engine:
                                               f"budget even alone ({e}); raise kv_bytes or shorten the prompt"))
                 continue
             self._blocked_free = -1
-            self.waiting.popleft()
-            self._insert(self.running, req)
-            req.cached = len(fed)
-            if req.tokens:  # recomputed: its next token is known, nothing is sampled
-                self.stats["recomputed_tokens"] += len(fed) - len(req.prompt)
-            else:
-                events.append(self._accept(req, int(self._sample(logits[-1:], [req])[0])))
+            new = []
+            for req, out in zip(group, logits):
+                self.waiting.popleft()
+                self._insert(self.running, req)
+                recomputed = len(out) - len(req.prompt)
+                req.cached = len(out)
+                if req.tokens:  # recomputed: its next token is known, nothing is sampled
+                    self.stats["recomputed_tokens"] += recomputed
+                else:
+                    new.append((req, out[-1]))
+            if new:
+                tokens = self._sample(torch.stack([last for _, last in new]), [req for req, _ in new])
+                events += [self._accept(req, token) for (req, _), token in zip(new, tokens.tolist())]
         return events
+
+    def _fed(self, req: _Request) -> list[int]:
+        """The tokens a request's prefill writes: its prompt, plus, for a preempted request recomputed in one
+        prefill, the generated tokens its cache held (else those are replayed by decode steps)."""
+        return req.prompt + (req.tokens[:-1] if self.cache.prefill_equals_decode else [])
+
+    def _prefill_group(self) -> list[_Request]:
+        """The head of the queue, and the requests behind it that surely fit beside it (every row of each
+        holding its whole prompt, the most a prefill takes), within ``max_batch`` and ``max_prefill_tokens``."""
+        head = self.waiting[0]
+        group, tokens = [head], len(self._fed(head))
+        bound, free = self.cache.prefill_pages_bound(tokens), len(self.pool.free_pages)
+        if self.cache.prefill_chunk is not None or bound > free:
+            return group
+        for req in list(self.waiting)[1:]:
+            n = len(self._fed(req))
+            more = self.cache.prefill_pages_bound(n)
+            if (len(self.running) + len(group) >= self.max_batch or bound + more > free
+                    or (self.max_prefill_tokens is not None and tokens + n > self.max_prefill_tokens)):
+                break
+            group.append(req)
+            tokens, bound = tokens + n, bound + more
+        return group
+
+    def _prefill(self, group: list[_Request]) -> list[torch.Tensor]:
+        """Prefill ``group`` in one forward; the logits ``[n_i, V]`` of each. On OutOfPages the group's rows
+        are released and it is raised."""
+        fed = [torch.tensor(self._fed(req)) for req in group]
+        for req in group:
+            self.cache.add(req.id, req.params.max_new_tokens)
+        start = time.perf_counter()
+        try:
+            logits = self.model.prefill_batch(self.cache, [req.id for req in group], fed)
+        except OutOfPages:
+            for req in group:
+                self.cache.release(req.id)
+            raise
+        self.stats["prefill_s"] += time.perf_counter() - start
+        self.stats["prefill_tokens"] += sum(len(f) for f in fed)
+        self.stats["prefill_batches"] += 1
+        return logits
 
     def _reserve(self) -> list[Event]:
         """Reserve the pages this decode step can take, oldest request first. A request that does not find

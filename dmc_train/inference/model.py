@@ -297,6 +297,24 @@ class LlamaForInference:
                           for i in range(0, len(tokens), chunk)])
 
     @torch.no_grad()
+    def prefill_batch(self, cache: KVCache, seq_ids: list[int], prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Write the prompts ``[n_i]`` of several new sequences into ``cache`` in one forward (varlen): their
+        tokens packed into one row ``[1, sum n_i]``, no padding, each at its own positions from 0; the
+        projections and the MLP run once over all of them, the cache attends within each sequence
+        (:meth:`KVCache.prefill_varlen`). Logits ``[n_i, V]`` per sequence, those of :meth:`prefill` of each
+        alone. A cache that takes prompts in chunks or numbers positions itself gets them one at a time."""
+        if cache.prefill_chunk is not None or cache.rope_in_cache or len(prompts) == 1:
+            return [self.prefill(cache, s, p) for s, p in zip(seq_ids, prompts)]
+        for p in prompts:
+            self.check_tokens(p[None])
+        self.check_cache_type(cache)
+        lens = [len(p) for p in prompts]
+        positions = torch.cat([torch.arange(n) for n in lens])[None]
+        logits = self._run(torch.cat(prompts)[None], positions,
+                           lambda layer, q, k, v, info: cache.prefill_varlen(layer, seq_ids, q, k, v, info, lens))
+        return list(logits[0].split(lens))
+
+    @torch.no_grad()
     def decode(self, cache: KVCache, seq_ids: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per sequence: ``tokens [B]`` at ``positions [B]``; logits ``[B, V]``."""
         self.check_cache_type(cache)

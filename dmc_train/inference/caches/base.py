@@ -5,10 +5,13 @@ what a query may see is the cache's business (DMC's merged slots, a policy's kep
 low-rank state). The model calls, per layer:
 
     out = cache.prefill(layer, seq_id, q, k, v, info)     # one new sequence, its whole prompt at once
+    out = cache.prefill_varlen(layer, seq_ids, q, k, v, info, lens)   # several new ones, packed without padding
     out = cache.decode(layer, seq_ids, q, k, v, info)     # one new token for each of B sequences
 
 Layouts: prefill ``q [1, H, n, d]``, ``k [1, H_kv, n, d]``, ``v [1, H_kv, n, d_v]`` -> ``[1, H, n, d_v]``;
-decode ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``. q and k have RoPE
+decode ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``; varlen prefill: the
+prompts of B sequences packed one after the other along the token axis, ``q [1, H, T, d]`` (``T = sum(lens)``),
+positions restarting at 0 for each, attention within each sequence only. q and k have RoPE
 applied (keys un-rotated with ``info.rotate`` set: DMC ``rope_order=pre``). GQA: query head j reads
 KV head ``j // G``, ``G = H / H_kv``.
 
@@ -46,6 +49,11 @@ class TokenInfo:
     alpha: Optional[torch.Tensor] = None
     omega: Optional[torch.Tensor] = None
     rotate: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+
+    def tokens(self, part: slice) -> "TokenInfo":
+        """The facts of the tokens ``part`` (along the token axis) of a prefill."""
+        alpha, omega = (None if t is None else t[..., part] for t in (self.alpha, self.omega))
+        return TokenInfo(self.positions[:, part], alpha, omega, self.rotate)
 
 
 class KVCache:
@@ -92,12 +100,29 @@ class KVCache:
                info: TokenInfo) -> torch.Tensor:
         raise NotImplementedError
 
+    def prefill_varlen(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       info: TokenInfo, lens: list[int]) -> torch.Tensor:
+        """The prompts of several new sequences at once, packed: ``q [1, H, T, d]``, ``k/v [1, H_kv, T, d]``,
+        sequence ``i`` the ``lens[i]`` tokens after the first ``sum(lens[:i])`` -> ``[1, H, T, d_v]``. Default:
+        :meth:`prefill` of each sequence's part (attention never crosses sequences); a cache may batch more."""
+        outs, start = [], 0
+        for seq_id, n in zip(seq_ids, lens):
+            part = slice(start, start + n)
+            outs.append(self.prefill(layer, seq_id, q[:, :, part], k[:, :, part], v[:, :, part], info.tokens(part)))
+            start += n
+        return torch.cat(outs, dim=2)
+
     def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:
         """Most pages one decode step of each of ``seq_ids`` can take (the engine reserves them up front):
         a page for every row whose last page is full."""
         rows = self.batch_rows(seq_ids).flatten(1)  # [B, layers * H_kv]
         full = self.pool.seq_lens[rows].long() % self.pool.page_size == 0
         return full.sum(1).tolist()
+
+    def prefill_pages_bound(self, n: int) -> int:
+        """Most pages a prefill of ``n`` tokens can take: every row of the sequence holding all of them (no
+        cache keeps more entries than tokens at prefill; a cache with ``prefill_chunk`` is never batched)."""
+        return self.num_layers * self.num_kv_heads * int(self.pool.pages_for(torch.tensor(n)))
 
     def batch_rows(self, seq_ids: list[int]) -> torch.Tensor:
         """Rows ``[B, layers, H_kv]`` of ``seq_ids`` (stacked once per batch, reused by every layer)."""

@@ -27,6 +27,19 @@ class FullCache(KVCache):
         self.pool.write(rows.repeat_interleave(n), pos, k[0].reshape(-1, k.shape[-1]), v[0].reshape(-1, v.shape[-1]))
         return causal_attention(q, k, v, self.scale)
 
+    def prefill_varlen(self, layer, seq_ids, q, k, v, info: TokenInfo, lens):
+        """Every sequence's rows grown and written at once (one ``grow``, one ``write``); causal attention
+        within each sequence."""
+        rows = torch.stack([self.rows[s][layer] for s in seq_ids])  # [B, H_kv]
+        n = torch.tensor(lens)
+        self.pool.grow(rows.flatten(), n.repeat_interleave(self.num_kv_heads))
+        token_rows = rows.repeat_interleave(n, dim=0).T.flatten()  # [H_kv * T]: head-major, as k[0] flattens
+        self.pool.write(token_rows, info.positions[0].repeat(self.num_kv_heads), k[0].reshape(-1, k.shape[-1]),
+                        v[0].reshape(-1, v.shape[-1]))
+        bounds = n.cumsum(0).tolist()
+        return torch.cat([causal_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.scale)
+                          for a, b in zip([0] + bounds[:-1], bounds)], dim=2)
+
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()
