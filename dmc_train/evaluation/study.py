@@ -70,8 +70,12 @@ class Preset:
 LM_EVAL_TASKS = ("shakespeare_next_line", "shakespeare_speaker")  # multiple choice: accuracy
 
 
-def _policies(fractions, names=("h2o", "tova", "streaming_llm", "keyformer", "lsh_e", "knorm")) -> list[Cell]:
-    return [Cell(f"{p}_{_tag(f)}", p, f, p) for f in fractions for p in names]
+LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM", "keyformer": "Keyformer", "lsh_e": "LSH-E",
+          "knorm": "Knorm"}
+
+
+def _policies(fractions, names=tuple(LABELS)) -> list[Cell]:
+    return [Cell(f"{p}_{_tag(f)}", LABELS[p], f, p) for f in fractions for p in names]
 
 
 def _lightcache(fractions) -> list[Cell]:
@@ -79,7 +83,7 @@ def _lightcache(fractions) -> list[Cell]:
     (4 global + local, top-k segments) at full width, every other token at ``r_k + r_v`` of ``2 d`` channels."""
     settings = {0.5: {"local": 64, "top_k": 4, "segment": 8, "r_k": 4, "r_v": 16},
                 0.25: {"local": 24, "top_k": 2, "segment": 8, "r_k": 2, "r_v": 6}}
-    return [Cell(f"lightcache_{_tag(f)}", "lightcache", f, "lightcache", settings[f]) for f in fractions]
+    return [Cell(f"lightcache_{_tag(f)}", "LightCache", f, "lightcache", settings[f]) for f in fractions]
 
 
 def _tag(fraction: float) -> str:
@@ -121,7 +125,7 @@ def _less(fractions, policies=("h2o", "streaming_llm"), extra: int = 4) -> list[
     cells = []
     for f in fractions:
         for p in policies:
-            label = "Λ-masking" if p == "streaming_llm" else p
+            label = "Λ-masking" if p == "streaming_llm" else LABELS[p]
             cells += [Cell(f"less_{p}_{_tag(f)}", f"LESS ({label})", f, "less", train=(*_LESS, f"method.policy={p}"),
                            budget_offset=extra),
                       Cell(f"baseline_{p}_{_tag(f)}", f"Baseline ({label})", f, p, budget_offset=extra)]
@@ -304,10 +308,10 @@ def _write(path: str, result: dict) -> None:
 
 
 def load_cells(out: str, cells: list[Cell]) -> list[dict]:
-    """The results of those of ``cells`` that are finished under ``out``."""
+    """The results of those of ``cells`` that are finished under ``out`` (labelled as the cells are now)."""
     results = []
     for cell in cells:
         if os.path.exists(cell_path(out, cell.name)):
             with open(cell_path(out, cell.name)) as f:
-                results.append(json.load(f))
+                results.append({**json.load(f), "method": cell.method, "fraction": cell.fraction})
     return results
