@@ -221,6 +221,16 @@ def initialize(layout_tp: int, layout_pp: int, layout_vpp: int | None, seed: int
     return env
 
 
+def init_gloo_group(env: LaunchEnv, timeout_minutes: int = 30):
+    """The default process group over gloo for ``env``'s ranks, without megatron's parallel state (tensor-parallel
+    inference: plain tensors, CPU all-reduces) from torchrun's variables, used as they are (none is set).
+    Idempotent; returns the group."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo", rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    return dist.group.WORLD
+
+
 def seed_everything(seed: int) -> None:
     import random
 

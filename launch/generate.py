@@ -5,6 +5,7 @@
         --temperature 0.8 --top-p 0.95 --seed 1 --kv-bytes 64MB --max-batch 8
     python launch/generate.py --checkpoint CKPT --prompt "5 17 42" --token-ids   # prompts as token ids
     python -m launch.generate ...        # same, from an installed package
+    torchrun --nproc_per_node=2 launch/generate.py --checkpoint CKPT --prompt "To be" --tensor-parallel 2
 
 One prompt streams its tokens to the terminal; several print each output when it finishes. The
 end shows throughput, the KV bytes held, and the achieved compression per layer (DMC: tokens per
@@ -20,6 +21,7 @@ Logic: ``dmc_train/inference/``, ``dmc_train/policies/``.
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -49,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-bytes", default=None, help="KV page budget, e.g. 64MB (default: max-batch full-length rows)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"), help="default: the checkpoint's")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split heads and MLP over this many ranks: run under torchrun --nproc_per_node=N (full and "
+                        "dmc caches; --kv-bytes is per rank; rank 0 prints)")
     p.add_argument("--json", help="also write the outputs and the summary to this file")
     return p.parse_args(argv)
 
@@ -124,6 +129,8 @@ def main(argv=None) -> None:
     from dmc_train import cli
 
     def run():
+        import torch
+
         from dmc_train.inference.engine import Engine, summarize
         from dmc_train.inference.sampling import SamplingParams
 
@@ -132,7 +139,10 @@ def main(argv=None) -> None:
         prompts = read_prompts(args)
         engine = Engine.from_checkpoint(args.checkpoint, dtype=args.dtype, tokenizer=args.tokenizer, cache=args.cache,
                                         page_size=args.page_size, kv_bytes=args.kv_bytes, max_batch=args.max_batch,
-                                        **cache_options(args))
+                                        tensor_parallel=args.tensor_parallel, **cache_options(args))
+        if engine.model.group is not None and torch.distributed.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # every rank samples the same tokens; rank 0 prints them
+            args.json = None
         if getattr(engine.cache, "note", None):
             print(f"note: {engine.cache.note}", file=sys.stderr)
         ids = [engine.add_request(p, params) for p in prompts]
@@ -157,7 +167,13 @@ def main(argv=None) -> None:
             print("error: " + next(o.error for o in outputs if o.error), file=sys.stderr)
             sys.exit(1)
 
-    cli.run_reporting_errors(run)
+    try:
+        cli.run_reporting_errors(run)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # tensor-parallel: the gloo group of the torchrun ranks
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

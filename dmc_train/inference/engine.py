@@ -46,6 +46,7 @@ from dmc_train.inference.caches import KVCache, build_cache, check_cache
 from dmc_train.inference.model import LlamaForInference
 from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams, StopChecker, make_generator, sample
+from dmc_train.inference.tensor_parallel import TP_CACHES
 
 
 @dataclass
@@ -129,6 +130,9 @@ class Engine:
         s = model.shape
         name = model.default_cache if cache == "auto" else cache
         check_cache(name, model)
+        if model.group is not None and name not in TP_CACHES:
+            raise InferenceError(f"the {name!r} cache does not run tensor-parallel; under tensor parallelism the "
+                                 f"engine runs the {' and '.join(TP_CACHES)} caches")
         if max_batch < 1:
             raise InferenceError(f"max_batch={max_batch} must be >= 1")
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
@@ -161,12 +165,13 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
-                        **kwargs) -> "Engine":
+                        tensor_parallel: int = 1, **kwargs) -> "Engine":
         """An engine for a checkpoint of this project; its tokenizer is ``tokenizer`` or the run's
-        ``data.tokenizer`` when that file exists (else prompts must be token ids)."""
+        ``data.tokenizer`` when that file exists (else prompts must be token ids). ``tensor_parallel > 1``:
+        this torchrun rank's shard of the model, its cache over its own KV heads (docs/INFERENCE.md)."""
         from dmc_train.data.tokenizer import load_tokenizer
 
-        model, loaded = LlamaForInference.from_checkpoint(checkpoint, dtype)
+        model, loaded = LlamaForInference.from_checkpoint(checkpoint, dtype, tensor_parallel)
         path = tokenizer or loaded.cfg.data.tokenizer
         if tokenizer and not os.path.exists(tokenizer):
             raise InferenceError(f"tokenizer {tokenizer} does not exist; pass a sentencepiece .model file or an "
@@ -210,7 +215,7 @@ class Engine:
     def _admit(self) -> list[Event]:
         events = []
         while self.waiting and len(self.running) < self.max_batch:
-            if self.running and len(self.pool.free_pages) <= self._blocked_free:
+            if self.running and self._free_pages() <= self._blocked_free:
                 break  # nothing was freed since the head of the queue last failed to fit (or was preempted)
             group = self._prefill_group()
             try:
@@ -218,7 +223,7 @@ class Engine:
             except OutOfPages as e:  # only a group of one: the others join only when they surely fit
                 req = group[0]
                 if self.running:
-                    self._blocked_free = len(self.pool.free_pages)
+                    self._blocked_free = self._free_pages()
                     break
                 self.waiting.popleft()
                 events.append(self._fail(req, f"the prompt ({len(req.prompt)} tokens) does not fit in the KV "
@@ -250,7 +255,7 @@ class Engine:
         holding its whole prompt, the most a prefill takes), within ``max_batch`` and ``max_prefill_tokens``."""
         head = self.waiting[0]
         group, tokens = [head], len(self._fed(head))
-        bound, free = self.cache.prefill_pages_bound(tokens), len(self.pool.free_pages)
+        bound, free = self.cache.prefill_pages_bound(tokens), self._free_pages()
         if self.cache.prefill_chunk is not None or bound > free:
             return group
         for req in list(self.waiting)[1:]:
@@ -267,6 +272,10 @@ class Engine:
         """Prefill ``group`` in one forward; the logits ``[n_i, V]`` of each. On OutOfPages the group's rows
         are released and it is raised."""
         fed = [torch.tensor(self._fed(req)) for req in group]
+        if self.model.group is not None:  # no rank may run out alone inside the forward: all decide on the bound
+            bound, free = sum(self.cache.prefill_pages_bound(len(f)) for f in fed), self._free_pages()
+            if bound > free:
+                raise OutOfPages(f"{bound} pages may be needed, {free} free on some rank")
         for req in group:
             self.cache.add(req.id, req.params.max_new_tokens)
         start = time.perf_counter()
@@ -286,12 +295,13 @@ class Engine:
         them preempts the newest running ones until it does; the newest left waits itself; the oldest,
         with the pool to itself, fails."""
         events, reserved, i = [], 0, 0
-        needs = dict(zip([r.id for r in self.running], self.cache.decode_pages_needed([r.id for r in self.running])))
+        needs = dict(zip([r.id for r in self.running],
+                         self._most_on_any_rank(self.cache.decode_pages_needed([r.id for r in self.running]))))
         while i < len(self.running):
             req = self.running[i]
-            while needs[req.id] > len(self.pool.free_pages) - reserved and self.running[-1] is not req:
+            while needs[req.id] > self._free_pages() - reserved and self.running[-1] is not req:
                 self._preempt(self.running[-1])
-            if needs[req.id] <= len(self.pool.free_pages) - reserved:
+            if needs[req.id] <= self._free_pages() - reserved:
                 reserved += needs[req.id]
                 i += 1
             elif i > 0:
@@ -299,7 +309,7 @@ class Engine:
             else:
                 events.append(self._fail(req, f"the request needs {needs[req.id]} more KV pages after "
                                               f"{len(req.prompt)} prompt + {len(req.tokens)} generated tokens and "
-                                              f"only {len(self.pool.free_pages)} of {self.pool.num_pages} are free "
+                                              f"only {self._free_pages()} of {self.pool.num_pages} are free "
                                               f"with nothing else running; raise kv_bytes or lower max_new_tokens"))
         return events
 
@@ -337,11 +347,27 @@ class Engine:
         for i, token in zip(sampled, new.tolist()):
             events.append(self._accept(batch[i], token))
         if self.stats["preemptions"] > preempted and self.running:
-            self._blocked_free = len(self.pool.free_pages)  # the preempted wait until a request ends
+            self._blocked_free = self._free_pages()  # the preempted wait until a request ends
         return events
 
     def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
-        return sample(logits[:, : self.vocab_limit], [r.params for r in requests], [r.generator for r in requests])
+        tokens = sample(logits[:, : self.vocab_limit], [r.params for r in requests], [r.generator for r in requests])
+        return self.model.same_on_all_ranks(tokens)
+
+    # Tensor parallelism: every rank's cache holds its own KV heads' rows, and a DMC head compresses as it does,
+    # so ranks hold different numbers of pages; the scheduling decisions (admit, reserve, preempt) are taken on
+    # the fewest free pages and the most pages needed over the ranks, hence the same on every rank.
+    def _free_pages(self) -> int:
+        """Free pages in the pool (under tensor parallelism: the fewest on any rank)."""
+        return -int(self._most_on_any_rank([-len(self.pool.free_pages)])[0])
+
+    def _most_on_any_rank(self, counts: Sequence[int]) -> list[int]:
+        """Elementwise maximum of ``counts`` over the tensor-parallel ranks (``counts`` without a group)."""
+        if self.model.group is None:
+            return list(counts)
+        t = torch.tensor(list(counts), dtype=torch.long)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.model.group)
+        return t.tolist()
 
     def _accept(self, req: _Request, token: int) -> Event:
         """Append a sampled token; finish the request if it stops here."""

@@ -1,7 +1,8 @@
 """The Llama forward for inference: plain tensors in Hugging Face names, a KV cache per call.
 
 Separate from the training model (megatron-core ``GPTModel``, ``[s, b, h]`` layouts, tensor parallel
-layers): here one process holds the whole model (TP=1) and every attention call goes to a
+layers): one process holds the whole model, or under torchrun one tensor-parallel shard of it
+(:mod:`~dmc_train.inference.tensor_parallel`: two all-reduces per layer), and every attention call goes to a
 :class:`~dmc_train.inference.caches.KVCache`. ``tests/inference`` proves that its logits equal the
 training model's on the same checkpoint (vanilla, and DMC with hard decisions).
 
@@ -61,10 +62,11 @@ class ModelShape:
     rope_base: float = 10000.0
     max_positions: int = 2048
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # model.rope_scaling
+    kv_channels: Optional[int] = None  # head dim when not hidden_size // num_heads (a tensor-parallel rank's shape)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     @classmethod
     def from_config(cls, m: Any) -> "ModelShape":
@@ -115,8 +117,11 @@ class LlamaForInference:
     """A Llama (optionally DMC) model for generation; weights in HF ``LlamaForCausalLM`` names."""
 
     def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dmc: Optional[DMCSettings] = None,
-                 dtype: torch.dtype = torch.float32, less: Optional[LESSWeights] = None):
-        self.shape, self.dmc, self.dtype, self.less = shape, dmc, dtype, less
+                 dtype: torch.dtype = torch.float32, less: Optional[LESSWeights] = None, group: Any = None):
+        """``group``: tensor parallelism's process group when ``shape`` and ``weights`` are one rank's shard
+        (:mod:`~dmc_train.inference.tensor_parallel`); the attention output and MLP down projections are then
+        all-reduced over it. None: the whole model (no collective)."""
+        self.shape, self.dmc, self.dtype, self.less, self.group = shape, dmc, dtype, less, group
         s = shape
         self.scale = 1.0 / math.sqrt(s.head_dim)
 
@@ -157,11 +162,14 @@ class LlamaForInference:
 
     # -- loading ----------------------------------------------------------------------------------
     @classmethod
-    def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None) -> tuple["LlamaForInference", Any]:
+    def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None,
+                        tensor_parallel: int = 1) -> tuple["LlamaForInference", Any]:
         """A checkpoint of this project (any saved TP/PP layout) -> ``(model, saved)``; ``saved`` is the
         :class:`~dmc_train.training.model_state.SavedRun` (config, checkpoint, meta). DMC and Fixed Memory
         Pooling checkpoints get their :class:`DMCSettings`. The weights are read from the files in this
-        process: no megatron model, no process group, no environment variable set."""
+        process: no megatron model; at ``tensor_parallel=1`` no process group and no environment variable set.
+        ``tensor_parallel > 1`` (under torchrun, one process per rank): this rank's shard, over a gloo group."""
+        from dmc_train.inference import tensor_parallel as tp
         from dmc_train.methods import METHODS
         from dmc_train.methods.configs import dmc_settings
         from dmc_train.models.llama_weights import megatron_to_hf
@@ -176,7 +184,11 @@ class LlamaForInference:
         if cache == "dmc":
             dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))
         torch_dtype = DTYPES[dtype or loaded.cfg.train.precision]
-        return cls(shape, weights, dmc, torch_dtype, less), loaded
+        tp.check(shape, tensor_parallel, dmc, less)
+        rank, group = tp.start(tensor_parallel)
+        if group is not None:
+            weights, shape = tp.shard_weights(weights, shape, rank, tensor_parallel)
+        return cls(shape, weights, dmc, torch_dtype, less, group), loaded
 
     # -- decisions --------------------------------------------------------------------------------
     def _decisions(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
@@ -226,10 +238,23 @@ class LlamaForInference:
             if self.keep is not None:
                 q = q * self.keep
             out = attend(i, q, k, v, info)
-            x = x + out.transpose(1, 2).reshape(b, n, -1) @ p["o"].T
+            x = x + self._all_reduce(out.transpose(1, 2).reshape(b, n, -1) @ p["o"].T)
             gate, up = (rms_norm(x, p["norm_mlp"], s.norm_eps) @ p["gate_up"].T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ p["down"].T
+            x = x + self._all_reduce((F.silu(gate) * up) @ p["down"].T)
         return rms_norm(x, self.final_norm, s.norm_eps) @ self.lm_head.T
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over tensor-parallel ranks of a row-parallel projection's ``partial`` (itself without a group)."""
+        if self.group is not None:
+            torch.distributed.all_reduce(partial, group=self.group)
+        return partial
+
+    def same_on_all_ranks(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tokens`` on every tensor-parallel rank (unseeded sampling draws from each process's own
+        generator); ``tokens`` itself without a group."""
+        if self.group is not None:
+            torch.distributed.broadcast(tokens, src=0, group=self.group)
+        return tokens
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
