@@ -29,6 +29,8 @@ def check(shape, tp: int, dmc=None, less=None) -> None:
     """One-line errors for a model that cannot be split ``tp`` ways."""
     if tp < 1:
         raise InferenceError(f"tensor_parallel={tp} must be >= 1")
+    if tp == 1:
+        return
     for what, n in (("query heads", shape.num_heads), ("KV heads", shape.num_kv_heads),
                     ("MLP hidden size", shape.ffn_hidden_size)):
         if n % tp:

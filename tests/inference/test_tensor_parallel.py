@@ -38,6 +38,7 @@ def test_one_line_errors():
                                              "torchrun --nproc_per_node=2"):
         tp.start(2)
     assert tp.start(1) == (0, None)
+    tp.check(SHAPE, 1, DMCSettings(channel=0, shared=True), less=object())  # TP=1 runs every model
 
 
 @pytest.fixture(scope="module")
