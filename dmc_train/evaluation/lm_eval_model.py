@@ -32,8 +32,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from dmc_train.errors import CheckpointError, ConfigError, InferenceError
-from dmc_train.inference.caches import CACHES, check_cache
-from dmc_train.policies import POLICIES, build_scorer
+from dmc_train.inference.caches import check_cache, teacher_forced
+from dmc_train.policies import POLICIES
 
 ROUTES = ("parallel", "engine")
 
@@ -85,7 +85,10 @@ class DMCTrainLM(TemplateLM):
             raise ConfigError(f"max_length={self._max_length} is more than the model's {positions} positions; only "
                               f"the lightcache cache numbers positions itself and runs past them")
         self.max_gen_toks = int(max_gen_toks)
-        self.scorer, self.budget = self._parallel_form()
+        self.forward = teacher_forced(self.cache_name, self.model, self.options)  # checks the options now
+        # an eviction policy's parallel form takes one prompt length per batch (and Keyformer one horizon)
+        policy = self.model.less.policy if self.cache_name == "less" else self.cache_name
+        self._policy = policy if policy in POLICIES else None
         self._engine = None
 
     # -- lm-eval's interface ----------------------------------------------------------------------
@@ -170,33 +173,6 @@ class DMCTrainLM(TemplateLM):
         return self._engine
 
     # -- scoring ----------------------------------------------------------------------------------
-    def _parallel_form(self):
-        """``(scorer, budget)`` of the cache's parallel form (None for full and DMC), built and checked now so
-        that a bad option fails before any request runs."""
-        s, name, options = self.model.shape, self.cache_name, self.options
-        group = s.num_heads // s.num_kv_heads
-        try:
-            if name in ("full", "dmc"):
-                if options:
-                    raise InferenceError(f"the {name} cache takes no options (got {', '.join(sorted(options))})")
-                return None, 0
-            if name == "lightcache":
-                from dmc_train.inference.caches.lightcache import lightcache_for
-
-                return lightcache_for(self.model, options), 0
-            if name == "less":
-                w = self.model.less
-                scorer = build_scorer(w.policy, {**w.options, "budget": w.budget, **options}, s.head_dim, group,
-                                      self.model.scale)
-            elif name in POLICIES:
-                scorer = build_scorer(name, options, s.head_dim, group, self.model.scale)
-            else:
-                raise InferenceError(f"the {name!r} cache has no teacher-forced form here; use one of "
-                                     f"{', '.join(CACHES)}")
-            return scorer, scorer.budget(s.max_positions)
-        except ConfigError as e:
-            raise InferenceError(str(e)) from None
-
     def _truncate(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
         """Left-truncate so that the model sees at most ``max_length`` tokens (the last continuation token is
         never fed)."""
@@ -214,8 +190,8 @@ class DMCTrainLM(TemplateLM):
         context length; Keyformer's temperature schedule also depends on the generation length (its horizon),
         so its batches share that too."""
         by_key: dict[tuple, list[int]] = defaultdict(list)
-        policy = self.route == "parallel" and self.cache_name not in ("full", "dmc", "lightcache")
-        horizon = policy and self.scorer.name == "keyformer"
+        policy = self.route == "parallel" and self._policy is not None
+        horizon = policy and self._policy == "keyformer"
         for i, (ctx, cont) in enumerate(items):
             by_key[((len(ctx),) if policy else ()) + ((len(cont),) if horizon else ())].append(i)
         batches = []
@@ -228,13 +204,8 @@ class DMCTrainLM(TemplateLM):
         inputs = [(ctx + cont)[:-1] for ctx, cont in batch]
         width = max(len(x) for x in inputs)
         tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs])  # right padding: causal, never seen
-        if self.scorer is None:
-            logits = self.model.forward(tokens)
-        else:
-            less = self.model.less if self.cache_name == "less" else None
-            horizon = max(len(cont) for _, cont in batch) - 1  # what each sequence decodes (padding included)
-            logits = self.model.forward_with_policy(tokens, self.scorer, self.budget, len(batch[0][0]), horizon,
-                                                    less=less)
+        horizon = max(len(cont) for _, cont in batch) - 1  # what each sequence decodes (padding included)
+        logits = self.forward(tokens, len(batch[0][0]), horizon)
         return [_continuation_score(logits[i, len(ctx) - 1: len(ctx) - 1 + len(cont)], cont)
                 for i, (ctx, cont) in enumerate(batch)]
 

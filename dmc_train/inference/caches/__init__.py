@@ -32,8 +32,9 @@ from dmc_train.policies import POLICIES, build_scorer
 @dataclass(frozen=True)
 class CacheEntry:
     """``build(pool, model, options) -> KVCache``; ``parallel(model, options) -> forward(tokens [b, n],
-    prompt_len) -> logits [b, n, V]``: the cache's teacher-forced (parallel) form, what the engine computes
-    when the first ``prompt_len`` tokens are prefilled and the rest decoded one by one with this cache;
+    prompt_len=1, horizon=None) -> logits [b, n, V]``: the cache's teacher-forced (parallel) form, what the
+    engine computes when the first ``prompt_len`` tokens are prefilled and the rest decoded one by one with
+    this cache (``horizon``: the tokens each sequence generates, default the rest: Keyformer's schedule);
     ``dmc``: True = DMC checkpoints only, False = not on them; ``needs``: the model attribute it cannot run
     without (``less``: a LESS checkpoint's kernels)."""
 
@@ -64,7 +65,7 @@ def _own_forward(name: str) -> Callable[..., Callable]:
     """The model's plain teacher-forced forward (full attention; DMC: its hard decisions, Algorithm 1's result)."""
     def parallel(model, options):
         _no_options(name, options)
-        return lambda tokens, prompt_len=1: model.forward(tokens)
+        return lambda tokens, prompt_len=1, horizon=None: model.forward(tokens)
     return parallel
 
 
@@ -85,7 +86,8 @@ def _policy(name: str) -> Callable[..., KVCache]:
 def _policy_parallel(name: str) -> Callable[..., Callable]:
     def parallel(model, options):
         scorer, budget = _scorer(name, model, options)
-        return lambda tokens, prompt_len=1: model.forward_with_policy(tokens, scorer, budget, prompt_len)
+        return lambda tokens, prompt_len=1, horizon=None: model.forward_with_policy(tokens, scorer, budget,
+                                                                                    prompt_len, horizon)
     return parallel
 
 
@@ -104,12 +106,14 @@ def _less(pool, model, options):
 
 def _less_parallel(model, options):
     scorer, budget = _less_scorer(model, options)
-    return lambda tokens, prompt_len=1: model.forward_with_policy(tokens, scorer, budget, prompt_len, less=model.less)
+    return lambda tokens, prompt_len=1, horizon=None: model.forward_with_policy(tokens, scorer, budget, prompt_len,
+                                                                                horizon, less=model.less)
 
 
 def _lightcache_parallel(model, options):
     rule = lightcache_for(model, options)
-    return lambda tokens, prompt_len=1: model.forward_with_attention(tokens, rule.parallel_attention, raw_qk=True)
+    return lambda tokens, prompt_len=1, horizon=None: model.forward_with_attention(tokens, rule.parallel_attention,
+                                                                                   raw_qk=True)
 
 
 CACHES: dict[str, CacheEntry] = {
@@ -141,8 +145,9 @@ def build_cache(name: str, pool, model: Any, options: dict[str, Any]) -> KVCache
 
 
 def teacher_forced(name: str, model: Any, options: dict[str, Any]) -> Callable[..., Any]:
-    """The parallel form of the cache ``name`` for ``model``: ``forward(tokens [b, n], prompt_len=1) -> logits
-    [b, n, V]``, equal to decoding with the cache (``tests/inference``); one-line errors for bad options."""
+    """The parallel form of the cache ``name`` for ``model``: ``forward(tokens [b, n], prompt_len=1, horizon=None)
+    -> logits [b, n, V]``, equal to decoding with the cache (``tests/inference``); one-line errors for bad
+    options."""
     return _checked(name, model, lambda: CACHES[name].parallel(model, dict(options)))
 
 
