@@ -47,7 +47,8 @@ def study_app(cfg) -> None:
         with open(os.path.join(out, "speed.json"), "w") as f:
             json.dump(speed, f, indent=1)
         command = "python launch/study.py " + " ".join(a for a in sys.argv[1:] if not a.startswith("cells="))
-        markdown = study_report.write(results, out, speed, [command.strip()], cfg.preset, "docs" if cfg.docs else None)
+        markdown = study_report.write(results, out, speed, [command.strip()], cfg.preset, preset,
+                                      "docs" if cfg.docs else None)
         print(markdown)
         say(f"wrote {os.path.join(out, 'RESULTS.md')}")
 

@@ -171,12 +171,15 @@ def _cells(grid):
 
 
 def write(results: list[dict], out: str, speed: Optional[dict], commands: list[str], preset_name: str,
-          docs_dir: Optional[str] = None) -> str:
+          preset: Preset, docs_dir: Optional[str] = None) -> str:
     """``<out>/RESULTS.md`` with its PNGs beside it (and the same in ``docs_dir``); returns the markdown."""
     seconds = sum(r.get("cell_seconds", 0) for r in results)
+    pending = [c.name for c in preset.cells if c.name not in {r["name"] for r in results}]
     text = [f"# Every method at equal memory (study preset `{preset_name}`)", "",
-            f"{len(results)} cells, {time.strftime('%Y-%m-%d', time.gmtime())}; the cells' own time (training and "
-            f"evaluation, one after another): {seconds / 60:.0f} min.", "",
+            f"Base model: `{' '.join(preset.base + preset.model)}`; the first {preset.max_sequences} test sequences "
+            f"per cell. {len(results)} cells finished, {time.strftime('%Y-%m-%d', time.gmtime())}; the cells' own "
+            f"time (training and evaluation, one after another): {seconds / 60:.0f} min."
+            + (f" Not run yet: {', '.join(pending)}." if pending else ""), "",
             "Commands:", "", *[f"    {c}" for c in commands], "", table(results, speed), "",
             "![perplexity vs KV bytes](study_pareto.png)", ""]
     if any(r["method"] == "DMC" for r in results):
