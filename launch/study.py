@@ -13,6 +13,7 @@ Finished cells are skipped (their ``<out>/cells/<name>.json``), so an interrupte
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -46,7 +47,8 @@ def study_app(cfg) -> None:
         speed = study_report.decode_speed(results, preset, cfg.speed_rounds, say=say)
         with open(os.path.join(out, "speed.json"), "w") as f:
             json.dump(speed, f, indent=1)
-        command = "python launch/study.py " + " ".join(a for a in sys.argv[1:] if not a.startswith("cells="))
+        args = [shlex.quote(a) for a in sys.argv[1:] if not a.startswith("cells=")]
+        command = " ".join(["python launch/study.py", *args])
         markdown = study_report.write(results, out, speed, [command.strip()], cfg.preset, preset,
                                       "docs" if cfg.docs else None)
         print(markdown)
