@@ -112,22 +112,30 @@ def orderings(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Perplexity against KV bytes per token (the Pareto view): one marker per cell, one colour per method."""
+    """Perplexity against KV bytes per token (the Pareto view): one marker per cell, one colour and marker per
+    method. Cells more than 10 % above the vanilla cache are drawn at the top edge, labelled with their value,
+    so that the close ones stay apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     methods = sorted({r["method"] for r in results})
-    colours = plt.get_cmap("tab20")
+    colours, markers = plt.get_cmap("tab20"), "os^vDP*Xph<>"
+    base = _vanilla(results)
+    top = 1.1 * base["ppl"] if base else max(r["ppl"] for r in results)
     for i, m in enumerate(methods):
         rows = [r for r in results if r["method"] == m]
-        ax.scatter([r["kv_bytes_per_token"] for r in rows], [r["ppl"] for r in rows], color=colours(i % 20),
-                   label=m, s=40, zorder=3)
-    base = _vanilla(results)
+        ax.scatter([r["kv_bytes_per_token"] for r in rows], [min(r["ppl"], top) for r in rows],
+                   color=colours(i % 20), marker=markers[i % len(markers)], label=m, s=45, zorder=3)
+        for r in rows:
+            if r["ppl"] > top:
+                ax.annotate(f"{m} {r['ppl']:.0f} ↑", (r["kv_bytes_per_token"], top), textcoords="offset points",
+                            xytext=(4, -12), fontsize=7)
     if base:
         ax.axhline(base["ppl"], color="black", linestyle="--", linewidth=1)
+        ax.set_ylim(top=top * 1.005)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV bytes held per token (state included; log scale)")
     ax.set_ylabel("test perplexity")
