@@ -51,21 +51,13 @@ def read_launch_env() -> LaunchEnv:
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="slurm",
         )
-    # A single process needs a store port too; a free one lets several such runs share a machine.
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT") or _free_port()), "single")
+    # A single process keeps its store in memory (``initialize``): no port, so any number share a machine.
+    return LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
 def scheduler_job_id() -> str | None:
     """The SLURM job ID (kept across requeues), or None outside SLURM."""
     return os.environ.get("SLURM_JOB_ID")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -204,10 +196,15 @@ def initialize(layout_tp: int, layout_pp: int, layout_vpp: int | None, seed: int
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if env.world_size == 1:
+            # an in-memory store: a TCP one needs a port, which another process can take between choosing and
+            # binding it (EADDRINUSE), and setting MASTER_PORT would leak into child processes
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

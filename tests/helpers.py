@@ -23,12 +23,16 @@ def run(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True,
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE",
                                                                     "LOCAL_RANK")}
     full_env = {**inherited, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", *args]
-    else:
-        cmd = [sys.executable, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    for attempt in range(3):
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--master_port={free_port()}", *args]
+        else:
+            cmd = [sys.executable, *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        # the free port can be taken (another test's connection) before torchrun binds it: choose another
+        if nproc == 1 or proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
