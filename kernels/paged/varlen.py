@@ -51,8 +51,9 @@ def paged_attention_torch(
         # [r, n_pages]; a shorter row's unused entries (-1 or stale) read any page, masked below
         pages = block_table[rows, :n_pages].long().clamp(min=0)
         width = n_pages * page_size
-        k = k_pages[pages].reshape(len(rows), width, d).to(wd)
-        v = v_pages[pages].reshape(len(rows), width, dv).to(wd)
+        # index_select copies whole pages (memcpy); k_pages[pages] computes an offset per element, ~7x slower on CPU
+        k = k_pages.index_select(0, pages.flatten()).view(len(rows), width, d).to(wd)
+        v = v_pages.index_select(0, pages.flatten()).view(len(rows), width, dv).to(wd)
         logits = (q[rows].to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
         tail = torch.arange(width, device=q.device) >= lens[rows, None]  # past the row's last entry
         if scores == "logits":
