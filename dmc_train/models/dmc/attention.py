@@ -56,8 +56,8 @@ from kernels.dmc import decisions, dmc_attention, partial_accumulation
 
 @dataclass
 class DMCState:
-    """What every DMC layer of a rank shares with the method: the frozen ``settings`` and the run state
-    the method's schedule updates (phase, zero-out factor, step) and the CR tracker."""
+    """What every DMC layer of a rank shares with the method: the frozen ``settings`` beside the run
+    state (phase and zero-out factor set by the schedule, the noise coordinates, the CR tracker)."""
 
     settings: DMCSettings
     phase: str = "dmc"  # zero_out | dmc | fixed
