@@ -39,7 +39,7 @@ from dmc_train.distributed import without_cpu_compat_mode
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.inference.caches.less import LESSWeights
-from dmc_train.methods.configs import DMCSettings
+from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.norm import rms_norm
 from dmc_train.models.rope import rope_angles, rope_inv_freq
 from dmc_train.policies import Scorer

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dmc_train.errors import ConfigError
+from dmc_train.models.dmc_settings import DMCSettings
 
 
 @dataclass
@@ -141,28 +142,10 @@ class LESSConfig:
                               f"frozen: nothing to recompute); set train.recompute=none")
 
 
-@dataclass(frozen=True)
-class DMCSettings:
-    """What inference needs of a trained DMC (or Fixed Memory Pooling) model, from its method config.
-
-    ``channel``: index of the decision channel within a head (None for fixed pooling, which uses every
-    channel); ``pool``: fixed pooling's tokens per slot (None for learned decisions); ``shared``:
-    DMC-HardC (one decision and importance per layer).
-    """
-
-    channel: int | None
-    init_offset: float = 5.0
-    omega_eps: float = 1e-6
-    decision_threshold: float = 0.0
-    accumulation: str = "exact"
-    window: int = 12
-    shared: bool = False
-    pool: int | None = None
-    rope_order: str = "post"  # post: rotated keys accumulated; pre: raw keys accumulated, rotated at the newest token
-
-
 def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSettings:
-    """:class:`DMCSettings` of a ``method`` config (OmegaConf node, dataclass or ``meta.json`` dict).
+    """The one :class:`DMCSettings` of a ``method`` config (OmegaConf node, dataclass or ``meta.json``
+    dict), for training, inference and the Hugging Face export; options missing from an older
+    ``meta.json`` take their defaults.
 
     Raises a one-line ConfigError for a method that does not compress (``none``) and, given the
     checkpoint's ``step``, for a DMC checkpoint still in the zero-out stage (attention is vanilla there).
@@ -187,9 +170,11 @@ def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSett
         init_offset=float(field("init_offset", 5.0)),
         omega_eps=float(field("omega_eps", 1e-6)),
         decision_threshold=float(field("decision_threshold", 0.0)),
+        tau=float(field("tau", 0.1)),
         accumulation=str(field("accumulation", "exact")),
         window=int(field("window", 12)),
-        shared=field("variant", "dmc") == "hardc",
+        attention_impl=str(field("attention_impl", "auto")),
+        variant=str(field("variant", "dmc")),
         pool=int(field("target_cr")) if pooling else None,
         rope_order=str(field("rope_order", "post")),
     )

@@ -27,6 +27,7 @@ from megatron.core import parallel_state as ps
 
 from dmc_train.config import kv_groups
 from dmc_train.methods.base import Method
+from dmc_train.methods.configs import dmc_settings
 from dmc_train.models.dmc import CRLossTracker, DMCState, dmc_self_attention_spec, track_chunks, zero_decision_rows
 
 
@@ -72,12 +73,9 @@ class DMCMethod(Method):
         self.tracker = CRLossTracker(m.num_layers, kv_groups(m), num_chunks=cfg.parallel.virtual_pipeline or 1,
                                      group=ps.get_model_parallel_group() if model_parallel > 1 else None,
                                      form=d.cr_loss)
-        self.state = DMCState(
-            channel=head_dim - 1 if d.decision_channel == "last" else 0, init_offset=d.init_offset, tau=d.tau,
-            omega_eps=d.omega_eps, decision_threshold=d.decision_threshold,
-            accumulation=d.accumulation, window=d.window, attention_impl=d.attention_impl, variant=d.variant,
-            rope_order=d.rope_order, noise_seed=cfg.train.seed, dp_rank=ps.get_data_parallel_rank(),
-            tracker=self.tracker)
+        # no step: the trainer runs the zero-out stage too (dmc_settings refuses it for inference)
+        self.state = DMCState(dmc_settings(d, head_dim), noise_seed=cfg.train.seed,
+                              dp_rank=ps.get_data_parallel_rank(), tracker=self.tracker)
         self.last_stats = None  # [layers, heads, 2] hard-decision counts of the last step, all ranks
 
     # -- model ------------------------------------------------------------------------------------
@@ -107,7 +105,7 @@ class DMCMethod(Method):
             self.state.phase, self.state.zero_out_factor = "zero_out", value
             return
         if step == self.cfg.method.zero_out_steps and step > 0:
-            zero_decision_rows([chunk.module for chunk in model_chunks], self.state.channel)
+            zero_decision_rows([chunk.module for chunk in model_chunks], self.state.settings.channel)
             self.optimizer.reload_model_params()  # the optimizer's fp32 main copy too
         self.state.phase = "dmc"
         self.tracker.target_cr = value
@@ -118,7 +116,7 @@ class DMCMethod(Method):
             return {}
         m = self.tracker.active
         terms = {"cr_loss": torch.tensor(self.tracker.loss(m))}
-        if self.state.variant == "c":  # reported only: its gradient flows through the layers (AttachLoss)
+        if self.state.settings.variant == "c":  # reported only: its gradient flows through the layers (AttachLoss)
             terms["cr_c_loss"] = torch.tensor(self.tracker.constraint_loss(m))
         return terms
 
@@ -160,7 +158,7 @@ class FixedPoolingMethod(DMCMethod):
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        self.state.phase, self.state.pool = "fixed", int(cfg.method.target_cr)
+        self.state.phase = "fixed"  # every settings.pool tokens share a slot
         self.tracker.target_cr = cfg.method.target_cr
 
     def lr_factor(self, step: int) -> float:

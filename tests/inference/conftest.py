@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dmc_train.inference.model import LlamaForInference, ModelShape, random_weights
-from dmc_train.methods.configs import DMCSettings
+from dmc_train.models.dmc_settings import DMCSettings
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=50,
                    max_positions=128)
@@ -13,7 +13,7 @@ VARIANTS = {
     "full": None,
     "dmc_exact": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0),
     "dmc_window": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, accumulation="window", window=3),
-    "dmc_hardc": DMCSettings(channel=0, init_offset=0.0, shared=True),
+    "dmc_hardc": DMCSettings(channel=0, init_offset=0.0, variant="hardc"),
     "dmc_pre": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre"),
     "dmc_pre_window": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre",
                                   accumulation="window", window=3),

@@ -8,7 +8,7 @@ import torch
 
 from dmc_train.conversion.hf_dmc import modeling_dmc_llama as dmc_hf
 from dmc_train.inference.model import LlamaForInference, ModelShape
-from dmc_train.methods.configs import DMCSettings
+from dmc_train.models.dmc_settings import DMCSettings
 
 RELEASED = {"omega_eps": 2.0 ** -7, "decision_threshold": 0.00785}  # the released code's bf16 values
 

@@ -9,7 +9,7 @@ import torch
 from dmc_train.errors import InferenceError
 from dmc_train.inference import tensor_parallel as tp
 from dmc_train.inference.model import ModelShape, random_weights
-from dmc_train.methods.configs import DMCSettings
+from dmc_train.models.dmc_settings import DMCSettings
 from tests.helpers import run, run_json
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=50)
@@ -33,12 +33,12 @@ def test_one_line_errors():
     with pytest.raises(InferenceError, match="tensor_parallel=4 does not divide the model's 2 KV heads"):
         tp.check(SHAPE, 4)
     with pytest.raises(InferenceError, match="variant hardc"):
-        tp.check(SHAPE, 2, DMCSettings(channel=0, shared=True))
+        tp.check(SHAPE, 2, DMCSettings(channel=0, variant="hardc"))
     with pytest.raises(InferenceError, match="needs 2 processes, one per rank, and this is a single process: run "
                                              "torchrun --nproc_per_node=2"):
         tp.start(2)
     assert tp.start(1) == (0, None)
-    tp.check(SHAPE, 1, DMCSettings(channel=0, shared=True), less=object())  # TP=1 runs every model
+    tp.check(SHAPE, 1, DMCSettings(channel=0, variant="hardc"), less=object())  # TP=1 runs every model
 
 
 @pytest.fixture(scope="module")

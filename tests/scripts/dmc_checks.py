@@ -40,6 +40,8 @@ def history(summary, key):
 def rope_pre_module(trainer) -> dict:
     """The first DMC attention module of ``trainer``'s model (rope_order=pre) against the reference on
     the same weights and inputs: max abs differences (and to rope_order=post) per scenario."""
+    import dataclasses
+
     import torch
     from megatron.core.transformer.attention import SelfAttention
 
@@ -49,7 +51,11 @@ def rope_pre_module(trainer) -> dict:
     m = trainer.cfg.model
     state = trainer.method.state
     state.tracker = None  # no CR bookkeeping for these bare module calls
-    state.init_offset = 0.0  # alpha logit = k[c]: a mix of appends and accumulations
+
+    def settings(**changes):  # the settings are frozen: the scenarios swap in changed copies
+        state.settings = dataclasses.replace(state.settings, **changes)
+
+    settings(init_offset=0.0)  # alpha logit = k[c]: a mix of appends and accumulations
     att = next(x for x in trainer.model[0].modules() if isinstance(x, DMCSelfAttention))
     with torch.no_grad():  # larger weights than at init: O(1) scores and outputs, so differences show
         att.linear_qkv.weight.mul_(10)
@@ -66,14 +72,14 @@ def rope_pre_module(trainer) -> dict:
     att.handoff.put = lambda value: (handed.append(value), put(value))
 
     def module_out(order):
-        state.rope_order = order
+        settings(rope_order=order)
         handed.clear()
         out = att(hidden, None, rotary_pos_emb=gpt.rotary_pos_emb(s))[0]
         return out, (handed[0] if handed else None)
 
     def reference(decided, zero_channel):
         q, k, v = (t.permute(1, 2, 0, 3) for t in SelfAttention.get_query_key_value_tensors(att, hidden))
-        c = state.channel if zero_channel else None
+        c = state.settings.channel if zero_channel else None
         if c is not None:
             q, k = q.clone(), k.clone()
             q[..., c], k[..., c] = 0, 0
@@ -96,16 +102,17 @@ def rope_pre_module(trainer) -> dict:
                          "appends": float((alpha < 0.5).float().mean())}
         att.eval()  # the released code's options reach the module's hard decisions and importance
         _, base = module_out("post")
-        state.decision_threshold, state.omega_eps = 1e9, 0.5
+        settings(decision_threshold=1e9, omega_eps=0.5)
         _, never = module_out("post")
-        state.decision_threshold = -1e9
+        settings(decision_threshold=-1e9)
         _, always = module_out("post")
-        state.decision_threshold, state.omega_eps = 0.0, 1e-6
+        settings(decision_threshold=0.0, omega_eps=1e-6)
         res["options"] = {"threshold_high_appends": bool((never[0] == 0).all()),
                           "threshold_low_merges": bool((always[0][..., 1:] == 1).all()),
                           "omega_shift": float((never[1] - base[1]).min()),
                           "omega_shift_max": float((never[1] - base[1]).max())}
-        state.phase, state.pool = "fixed", 2
+        state.phase = "fixed"
+        settings(pool=2)
         pre, decided = module_out("pre")
         res["fixed"] = {"ref": float((pre - reference(decided, False)).abs().max()),
                         "alpha": bool(torch.equal(decided[0][0, 0], decisions.fixed_pooling_alpha(s, 2))),

@@ -56,7 +56,7 @@ def main(out_path: str, *run_dirs: str) -> None:
 
     from dmc_train.inference import tensor_parallel as tp
     from dmc_train.inference.model import LlamaForInference, ModelShape, random_weights
-    from dmc_train.methods.configs import DMCSettings
+    from dmc_train.models.dmc_settings import DMCSettings
 
     shape = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_heads=4, num_kv_heads=2,
                        vocab_size=50, max_positions=128)

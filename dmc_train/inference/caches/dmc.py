@@ -24,7 +24,7 @@ import torch
 
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
-from dmc_train.methods.configs import DMCSettings
+from dmc_train.models.dmc_settings import DMCSettings
 from kernels.dmc import dmc_attention, partial_accumulation
 from kernels.paged import dmc_cache_update
 

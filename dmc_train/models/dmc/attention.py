@@ -15,7 +15,7 @@ then zeroes channel c in q and k, so RoPE rotates the other channels with it zer
 code does), and hands ``(alpha, omega, accumulated)`` to its ``DMCCoreAttention`` (the spec's
 ``core_attention``) through a :class:`DecisionHandoff` given to both at construction. The core
 attention attends with the Fig. 3 bias in O(n) memory, ignoring channel c. Where keys and values are
-accumulated (Eq. 9) depends on ``DMCState.rope_order``:
+accumulated (Eq. 9) depends on ``DMCSettings.rope_order``:
 
 - ``post`` (default): the core attention accumulates the keys megatron has already rotated by RoPE.
 - ``pre`` (the released code): ``get_query_key_value_tensors`` accumulates the raw keys and values
@@ -25,8 +25,8 @@ accumulated (Eq. 9) depends on ``DMCState.rope_order``:
 Phases (set by the DMC method's schedule on the shared :class:`DMCState`):
 ``zero_out`` - vanilla attention with channel c of q and k scaled by ``zero_out_factor`` (Eq. 12);
 ``dmc`` - learned decisions as above; ``fixed`` - Fixed Memory Pooling (the paper's ablation): every
-``pool`` tokens are averaged into one slot (alpha = 1 except every pool-th token, omega = 1), all
-channels used.
+``settings.pool`` tokens are averaged into one slot (alpha = 1 except every pool-th token, omega = 1),
+all channels used.
 
 Layouts follow megatron: ``query [s, b, heads/TP, d]``, ``key/value [s, b, groups/TP, d]``; alpha and
 omega ``[b, groups/TP, s]``.
@@ -49,27 +49,19 @@ from megatron.core.transformer.attention import SelfAttention
 
 from dmc_train.models.attention import SDPACoreAttention
 from dmc_train.models.dmc.cr_loss import CRLossTracker
+from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.layer_loss import AttachLoss
 from kernels.dmc import decisions, dmc_attention, partial_accumulation
 
 
 @dataclass
 class DMCState:
-    """What every DMC layer of a rank shares with the method: settings, current phase, CR tracker."""
+    """What every DMC layer of a rank shares with the method: the frozen ``settings`` beside the run
+    state (phase and zero-out factor set by the schedule, the noise coordinates, the CR tracker)."""
 
-    channel: int  # decision channel index within a head
-    init_offset: float = 5.0
-    omega_eps: float = 1e-6  # added to omega
-    decision_threshold: float = 0.0  # hard (evaluation) alpha = [logit > threshold]
-    tau: float = 0.1
-    accumulation: str = "exact"
-    window: int = 12
-    attention_impl: str = "auto"
-    variant: str = "dmc"  # dmc | c (DMC-C, Eq. 13) | hardc (decisions shared per layer)
+    settings: DMCSettings
     phase: str = "dmc"  # zero_out | dmc | fixed
-    rope_order: str = "post"  # post: accumulate RoPE-rotated keys | pre: accumulate raw keys, then rotate
     zero_out_factor: float = 1.0
-    pool: int = 2  # fixed pooling: tokens per slot
     noise_seed: int = 0  # Gumbel noise = f(noise_seed, step, data-parallel rank, micro-batch, layer)
     step: int = 0
     dp_rank: int = 0
@@ -111,10 +103,11 @@ class DMCSelfAttention(SelfAttention):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         assert split_qkv and not output_gate, "DMC attention needs split q, k, v and no output gate"
         query, key, value = super().get_query_key_value_tensors(hidden_states, key_value_states)
-        st, c = self.dmc, self.dmc.channel
+        st, settings = self.dmc, self.dmc.settings
+        c = settings.channel
         if st.phase == "fixed":
             s, b, g, _ = key.shape
-            alpha = decisions.fixed_pooling_alpha(s, st.pool, key.device).expand(b, g, s).contiguous()
+            alpha = decisions.fixed_pooling_alpha(s, settings.pool, key.device).expand(b, g, s).contiguous()
             if st.tracker is not None:  # counts the decisions (achieved CR); no gradient
                 alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset)
             return (query, *self._hand_off(key, value, alpha, torch.ones_like(alpha)))
@@ -124,16 +117,16 @@ class DMCSelfAttention(SelfAttention):
             self.handoff.put(None)
             return query * keep, key * keep, value
         keep[c] = 0
-        alpha_logit = decisions.alpha_logit(key[..., c], st.init_offset)  # [s, b, g]
+        alpha_logit = decisions.alpha_logit(key[..., c], settings.init_offset)  # [s, b, g]
         q_dec = decisions.group_mean(query[..., c], alpha_logit.shape[-1])  # [s, b, g]
-        if st.variant == "hardc":  # one decision and one importance per layer, shared by all heads
+        if settings.shared:  # one decision and one importance per layer, shared by all heads
             alpha_logit, q_dec = _mean_over_heads(alpha_logit), _mean_over_heads(q_dec)
-        omega = decisions.importance(q_dec, st.init_offset, st.omega_eps)
-        alpha = self._alpha(alpha_logit, shared_noise=st.variant == "hardc")
+        omega = decisions.importance(q_dec, settings.init_offset, settings.omega_eps)
+        alpha = self._alpha(alpha_logit, shared_noise=settings.shared)
         alpha = decisions.first_token_appends(alpha, seq_dim=0).permute(1, 2, 0)  # [b, g, s]
         query, key = query * keep, key * keep
         constraint = None
-        if st.variant == "c":  # DMC-C (Eq. 13): |alpha - mean over the layer's heads|, per head
+        if settings.variant == "c":  # DMC-C (Eq. 13): |alpha - mean over the layer's heads|, per head
             constraint = (alpha - _mean_over_heads(alpha, dim=1)).abs().sum(dim=(0, 2))
             n_layers, n_heads = self.config.num_layers, self.config.num_query_groups
             # Normalised per decision like Eq. 10; the loop weights loss terms by the b * n tokens.
@@ -146,15 +139,16 @@ class DMCSelfAttention(SelfAttention):
         """Give the decisions to the core attention; return the key and value megatron continues with
         (RoPE, then the core attention): unchanged for ``rope_order=post``; for ``pre`` the raw keys and
         values accumulated by Eq. 9 (``[s, b, g, d]``), so that RoPE rotates k~_t at position t."""
-        st = self.dmc
-        pre = st.rope_order == "pre"
+        settings = self.dmc.settings
+        pre = settings.rope_order == "pre"
         # value is a view into the fused QKV projection's output [s, b, g, (G + 2) d]. The accumulation
         # saves v for backward, which would pin all of that buffer, (G + 2) times v's own size; a
         # compact copy lets it go after the forward (vanilla SDPA does pin it).
         value = value.contiguous()
         if pre:
             k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, g, s, d]
-            k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=st.accumulation, window=st.window)
+            k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=settings.accumulation,
+                                            window=settings.window)
             # v~ stays a view: the core attention permutes it back and saves the very tensor the
             # accumulation saved (RoPE makes a new k~ anyway)
             key, value = k_t.permute(2, 0, 1, 3).contiguous(), v_t.permute(2, 0, 1, 3)
@@ -164,13 +158,13 @@ class DMCSelfAttention(SelfAttention):
     def _alpha(self, logit: torch.Tensor, shared_noise: bool = False) -> torch.Tensor:
         """Accumulate probabilities ``[s, b, g]`` from logits (module docstring), in fp32."""
         if not self.training:
-            return decisions.hard_alpha(logit, self.dmc.decision_threshold)
+            return decisions.hard_alpha(logit, self.dmc.settings.decision_threshold)
         # Noise for all KV heads of the layer, so every TP layout sees the same values.
         noise = decisions.gumbel_difference((*logit.shape[:2], self.config.num_query_groups),
                                             self._noise_generator())
         lo = self.head_offset
         noise = noise[..., :1].expand_as(logit) if shared_noise else noise[..., lo: lo + logit.shape[-1]]
-        return decisions.relaxed_alpha(logit, noise, self.dmc.tau)
+        return decisions.relaxed_alpha(logit, noise, self.dmc.settings.tau)
 
     def _noise_generator(self) -> torch.Generator:
         """Seeded by (seed, step, data-parallel rank, micro-batch, layer): layout-independent, resumable."""
@@ -203,13 +197,14 @@ class DMCCoreAttention(SDPACoreAttention):
         if pending is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, **kwargs)
         alpha, omega, accumulated = pending
+        settings = self.dmc.settings
         sq, b, nh, hd = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         if accumulated:  # rope_order=pre: k~ (rotated by megatron at each token's position) and v~
             k_t, v_t = k, v
         else:
-            k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=self.dmc.accumulation, window=self.dmc.window)
-        free = None if self.dmc.phase == "fixed" else self.dmc.channel
+            k_t, v_t = partial_accumulation(k, v, alpha, omega, mode=settings.accumulation, window=settings.window)
+        free = None if self.dmc.phase == "fixed" else settings.channel
         out = dmc_attention(q, k_t, v_t, alpha, scale=self.softmax_scale, free_channel=free,
-                            impl=self.dmc.attention_impl)
+                            impl=settings.attention_impl)
         return out.permute(2, 0, 1, 3).reshape(sq, b, nh * hd)
