@@ -98,7 +98,7 @@ def child_old_import(hf_dir: str, out: str) -> None:
     from dmc_train import distributed
     from dmc_train.conversion.hf_import import hf_run_config, verify_import
     from dmc_train.models.llama import build_model
-    from dmc_train.training.checkpointing import save_weights
+    from dmc_train.training.checkpoint_save import save_weights
     from dmc_train.training.hf_loading import load_hf_into_model, read_hf_config
 
     cfg = hf_run_config(read_hf_config(hf_dir))

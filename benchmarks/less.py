@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--max-sequences", type=int, default=64)
     p.add_argument("--engine-sequences", type=int, default=4, help="sequences decoded by the engine for one cell")
-    p.add_argument("--out", default=os.path.join(ROOT, "docs/less.png"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs/less.png"))
     p.add_argument("--json", default=os.path.join(ROOT, "runs/less_benchmark.json"))
     args = p.parse_args()
 

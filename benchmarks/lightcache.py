@@ -229,7 +229,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", help="default: 1x, 2x, 4x, 8x the trained length")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(ROOT, "docs/lightcache.png"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs/lightcache.png"))
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

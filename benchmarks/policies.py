@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--checkpoint", default=os.path.join(ROOT, "runs/base_tiny"))
     p.add_argument("--max-sequences", type=int, default=64)
-    p.add_argument("--out", default=os.path.join(ROOT, "docs/policies.png"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs/policies.png"))
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -1,8 +1,10 @@
 """Process group and megatron ``parallel_state`` set-up, plus the CPU compatibility layer.
 
-This is the only module that reads launcher environment variables (torchrun's
+This is the module that reads launcher environment variables (torchrun's
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` and SLURM's
-``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_JOB_NODELIST``).
+``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_JOB_NODELIST``/``SLURM_JOB_ID``); the one
+exception is ``cli.fail``, which reads ``RANK``/``WORLD_SIZE`` itself because it can run before torch is
+imported.
 
 Backend: NCCL when CUDA is available, gloo otherwise. On CPU the compatibility
 layer (``install_cpu_compat``) must be active before megatron builds any module.

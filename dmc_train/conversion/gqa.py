@@ -16,7 +16,9 @@ from dmc_train.config import kv_groups
 from dmc_train.conversion import check_output
 from dmc_train.methods.gqa import check_groups, convert_qkv_weight
 from dmc_train.models.llama import build_model
-from dmc_train.training.checkpointing import find_checkpoint, load_weights, read_meta, save_weights
+from dmc_train.training.checkpoint_dirs import find_checkpoint, read_meta
+from dmc_train.training.checkpoint_load import load_weights
+from dmc_train.training.checkpoint_save import save_weights
 
 
 def convert_gqa_checkpoint(src: str, out: str, groups: int) -> str:

@@ -46,7 +46,7 @@ from dmc_train.distributed import read_launch_env
 from dmc_train.errors import CheckpointError, ConfigError
 from dmc_train.models.hf_config import hf_config_from_model
 from dmc_train.models.llama_weights import megatron_to_hf
-from dmc_train.training.checkpointing import find_checkpoint, read_meta, replace_dir
+from dmc_train.training.checkpoint_dirs import find_checkpoint, read_meta, replace_dir
 from dmc_train.units import parse_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

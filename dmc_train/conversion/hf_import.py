@@ -50,7 +50,7 @@ from dmc_train.models.hf_config import model_config_from_hf
 from dmc_train.models.llama_reference import streaming_logits
 from dmc_train.models.llama_weights import megatron_name, megatron_to_hf
 from dmc_train.recipes import load_config
-from dmc_train.training.checkpointing import replace_dir
+from dmc_train.training.checkpoint_dirs import replace_dir
 from dmc_train.training.forward import logits
 from dmc_train.training.hf_loading import HFWeights, full_tensor, read_hf_config
 from dmc_train.training.model_loading import load_model

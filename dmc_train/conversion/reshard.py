@@ -10,11 +10,11 @@ continuing the input at that layout would. No training data is read (the run's d
 be present; the saved config keeps them). RNG states are restored only at an unchanged layout
 (as on any resume); the source's ``method_metadata`` is kept.
 
-What cannot be resharded (``dmc_train/training/checkpointing.py``): the distributed optimizer's
-``dp_reshardable`` state changes only its DP size, so a TP/PP change of such a checkpoint, and
-switching the distributed optimizer on or off, are refused; ``weights_only=True`` then writes a
-weights-only checkpoint ``<output>`` (model weights only, layout-free: start from it with
-``checkpoint.init_from=<output>``, new optimizer at step 0).
+What cannot be resharded (refused by ``dmc_train/training/checkpoint_resume.py`` and
+``checkpoint_load.py``): the distributed optimizer's ``dp_reshardable`` state changes only its DP size,
+so a TP/PP change of such a checkpoint, and switching the distributed optimizer on or off, are refused;
+``weights_only=True`` then writes a weights-only checkpoint ``<output>`` (model weights only, layout-free:
+start from it with ``checkpoint.init_from=<output>``, new optimizer at step 0).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Any, Optional
 from dmc_train import distributed
 from dmc_train.conversion import check_output
 from dmc_train.errors import CheckpointError
-from dmc_train.training.checkpointing import find_checkpoint, read_meta, save_checkpoint, save_weights
+from dmc_train.training.checkpoint_dirs import find_checkpoint, read_meta
+from dmc_train.training.checkpoint_save import save_checkpoint, save_weights
 from dmc_train.training.model_loading import config_from_checkpoint
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from dmc_train import distributed
 from dmc_train.data.datasets import build_datasets
 from dmc_train.errors import CheckpointError
-from dmc_train.training import checkpointing as ckpt_mod
+from dmc_train.training.checkpoint_dirs import checkpoint_root, find_checkpoint, read_latest, read_meta
 from dmc_train.training.forward import evaluate_loss
 from dmc_train.training.model_loading import load_model
 
@@ -21,9 +21,9 @@ def resolve_checkpoint(cfg: Any) -> str:
     if resume == "none":
         raise CheckpointError("checkpoint.resume=none names no checkpoint to evaluate; use auto (the run's latest) "
                               "or a checkpoint directory")
-    ckpt = ckpt_mod.read_latest(ckpt_mod.checkpoint_root(cfg)) if resume == "auto" else ckpt_mod.find_checkpoint(resume)
+    ckpt = read_latest(checkpoint_root(cfg)) if resume == "auto" else find_checkpoint(resume)
     if ckpt is None:
-        raise CheckpointError(f"no checkpoint in {ckpt_mod.checkpoint_root(cfg)}; train first "
+        raise CheckpointError(f"no checkpoint in {checkpoint_root(cfg)}; train first "
                               f"(launch/pretrain.py) or pass checkpoint.resume=<checkpoint dir>")
     return ckpt
 
@@ -39,7 +39,7 @@ def evaluate_checkpoint(cfg: Any) -> dict:
     The model is loaded alone (no optimizer) at the config's parallel layout.
     """
     ckpt = resolve_checkpoint(cfg)
-    meta = ckpt_mod.read_meta(ckpt)
+    meta = read_meta(ckpt)
     if cfg.eval.cache != "model":
         return evaluate_with_cache(cfg, ckpt, meta)
     out_path = os.path.join(cfg.run_dir, "eval.json")

@@ -201,7 +201,7 @@ def _python(args: list[str], log: str) -> None:
 
 def _finished(run_dir: str, steps: Optional[int] = None) -> bool:
     """``run_dir`` has a checkpoint (at step ``steps`` or later, when given)."""
-    from dmc_train.training.checkpointing import read_latest, read_meta
+    from dmc_train.training.checkpoint_dirs import read_latest, read_meta
 
     ckpt = read_latest(os.path.join(run_dir, "checkpoints"))
     return ckpt is not None and (steps is None or read_meta(ckpt)["step"] >= steps)
@@ -246,7 +246,7 @@ def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None
     from dmc_train.inference.caches import cache_budget
     from dmc_train.inference.model import LlamaForInference
     from dmc_train.policies import POLICIES
-    from dmc_train.training.checkpointing import read_latest
+    from dmc_train.training.checkpoint_dirs import read_latest
 
     ckpt = read_latest(os.path.join(checkpoint_dir, "checkpoints"))
     model, loaded = LlamaForInference.from_checkpoint(ckpt)

@@ -11,7 +11,7 @@ parameters and their optimizer state; ``meta.json`` records the base under ``bas
              "step": 600, "consumed_samples": 4800,                  # null for a Hugging Face base
              "model": {"num_layers": 4, "hidden_size": 256, ...}}    # the shape signature
 
-Every reader of such a checkpoint (``checkpointing``'s resume and ``load_weights``: evaluation, export,
+Every reader of such a checkpoint (``checkpoint_load``'s resume and ``load_weights``: evaluation, export,
 resharding; :func:`base_state` for ``model_state``'s file reader: inference) loads the base's weights first,
 then the checkpoint's own tensors over them (:func:`held_names`). The base is looked for at ``path``, then at
 ``relative`` (a run tree moved as a whole), and must match the recorded step and shape (:func:`resolve`);

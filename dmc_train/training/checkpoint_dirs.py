@@ -1,6 +1,6 @@
-"""The checkpoints directory of a run: names, completeness, pointer files and ``meta.json``.
+"""The checkpoints directory of a run: names, completeness, pointer files, ``meta.json``, retention.
 
-Layout of ``<run_dir>/checkpoints/`` (written by :mod:`~dmc_train.training.checkpointing`)::
+Layout of ``<run_dir>/checkpoints/`` (written by :mod:`~dmc_train.training.checkpoint_save`)::
 
     iter_0000100/          a complete checkpoint: its files + meta.json (the completeness marker)
     iter_0000200.tmp/      a write in progress (or one that crashed): never read
@@ -8,8 +8,9 @@ Layout of ``<run_dir>/checkpoints/`` (written by :mod:`~dmc_train.training.check
     best                   pointer file: the best validated checkpoint (checkpoint.keep_best)
     iter_0000300.damaged-20250101-120000/   set aside: names with a dot are never read, resumed or pruned
 
-Everything here reads or names directories; nothing builds a model or touches megatron, so the modules
-beside the checkpoint writer (``base_reference``, ``best_checkpoint``) use it without importing the writer.
+Everything here reads, names, renames or deletes directories; nothing builds a model or touches megatron,
+so the modules beside the checkpoint writer (``base_reference``, ``best_checkpoint``) use it without
+importing the writer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from typing import Any, Optional
 
@@ -102,6 +104,29 @@ def set_aside(root: str, name: str, why: str) -> str:
         new = f"{name}.{why}-{stamp}-{n}"
     os.rename(os.path.join(root, name), os.path.join(root, new))
     return new
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Rename the complete directory ``tmp`` to ``final``; an existing ``final`` (a re-saved step, an
+    overwritten output) is moved aside first and removed only once the new one is in place."""
+    if os.path.exists(final):
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        os.rename(final, final + ".old")
+    os.rename(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def prune(root: str, keep_last: int, saved_step: int, keep: set = frozenset()) -> None:
+    """``checkpoint.keep_last``: delete all but the newest ``keep_last`` complete checkpoints up to
+    ``saved_step`` (the one just saved). Newer ones (kept by a run resumed from an older checkpoint), the
+    names in ``keep`` (the best one), ``*.tmp`` writes and directories set aside (``*.damaged-*``,
+    ``*.replaced-*``) are never deleted."""
+    if keep_last <= 0:
+        return
+    complete = [n for n in complete_checkpoints(root) if step_of(n) is not None and step_of(n) <= saved_step]
+    for name in sorted(complete, key=step_of)[:-keep_last]:
+        if name not in keep:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def complete_checkpoints(root: str) -> list[str]:

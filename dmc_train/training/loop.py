@@ -28,8 +28,17 @@ from dmc_train.models.llama import build_model
 from dmc_train.models.shape import count_parameters
 from dmc_train.recipes import validate
 from dmc_train.training import base_reference, hf_loading, run_lock
-from dmc_train.training import checkpointing as ckpt_mod
 from dmc_train.training.best_checkpoint import validation_record
+from dmc_train.training.checkpoint_dirs import (
+    check_model_shape,
+    checkpoint_root,
+    find_checkpoint,
+    newest_complete,
+    read_meta,
+)
+from dmc_train.training.checkpoint_load import load_checkpoint, load_weights
+from dmc_train.training.checkpoint_resume import resolve_resume
+from dmc_train.training.checkpoint_save import save_checkpoint
 from dmc_train.training.forward import batch_losses, evaluate_loss, lm_forward_step, reduce_losses
 from dmc_train.training.logging import RunLogger
 from dmc_train.training.preemption import PreemptionHandler
@@ -69,12 +78,12 @@ class Trainer:
         self.cfg = cfg
         self.method = method or build_method(cfg)
         # before building: mismatches fail fast
-        self.resume = ckpt_mod.resolve_resume(cfg, log=lambda m: distributed.is_rank0() and print(m, flush=True))
+        self.resume = resolve_resume(cfg, log=lambda m: distributed.is_rank0() and print(m, flush=True))
         if self.resume is None and cfg.checkpoint.init_from and hf_loading.is_hf_dir(cfg.checkpoint.init_from):
             hf_loading.check_hf_model_shape(cfg.checkpoint.init_from, cfg)
         elif self.resume is None and cfg.checkpoint.init_from:
-            init = ckpt_mod.find_checkpoint(cfg.checkpoint.init_from)
-            ckpt_mod.check_model_shape(init, ckpt_mod.read_meta(init), cfg)
+            init = find_checkpoint(cfg.checkpoint.init_from)
+            check_model_shape(init, read_meta(init), cfg)
         self.base = base_reference.for_run(cfg, self.method, self.resume)  # a frozen-base method's base, checked
         self.validated: Optional[tuple[int, dict]] = None  # (step, validation metrics) of the last evaluation
         self.total_steps = total_steps(cfg)
@@ -95,15 +104,15 @@ class Trainer:
         self.dp_size = ps.get_data_parallel_world_size()
         self.num_micro = config_mod.num_microbatches(cfg, self.dp_size)
         if self.resume is not None:
-            self.step, self.consumed = ckpt_mod.load_checkpoint(cfg, *self.resume, self.model, self.optimizer,
-                                                                self.scheduler, self.method)
+            self.step, self.consumed = load_checkpoint(cfg, *self.resume, self.model, self.optimizer,
+                                                       self.scheduler, self.method)
         elif cfg.checkpoint.init_from:
             if hf_loading.is_hf_dir(cfg.checkpoint.init_from):  # a Hugging Face Llama directory
                 hf_loading.load_hf_into_model(cfg.checkpoint.init_from, [m.module for m in self.model], cfg,
                                               skip=self.method.added_parameter)
             else:
-                ckpt_mod.load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg,
-                                      added=self.method.added_parameter)
+                load_weights(cfg.checkpoint.init_from, [m.module for m in self.model], cfg,
+                             added=self.method.added_parameter)
             self.optimizer.reload_model_params()
         self.method.attach(self)
 
@@ -164,8 +173,8 @@ class Trainer:
         validation = validation_record(self.method.best_metric, self.step, self.validated)
         if validation is not None:
             extra["validation"] = validation
-        return ckpt_mod.save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.method,
-                                        self.step, self.consumed, extra, base=self.base)
+        return save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.method,
+                               self.step, self.consumed, extra, base=self.base)
 
 
 def _check_frozen(chunks, method: Method) -> None:
@@ -179,7 +188,7 @@ def diverged_message(cfg: Any, step: int, bad_in_row: int) -> str:
     """The one line for a streak of non-finite steps. The weights at this point produced those losses (an
     update before the streak can have blown them up), so they are not saved; the message names the
     newest checkpoint (no save happens during a streak, so it was saved at a step with a finite loss)."""
-    newest = ckpt_mod.newest_complete(ckpt_mod.checkpoint_root(cfg))
+    newest = newest_complete(checkpoint_root(cfg))
     saved = (f"the newest checkpoint is {newest}, saved before the streak (checkpoint.resume=auto continues "
              f"from it)" if newest else "no checkpoint was saved before the streak")
     return (f"training stopped at step {step}: {bad_in_row} consecutive steps with a non-finite loss or gradient; "
@@ -217,7 +226,7 @@ def train(cfg: Any, method: Optional[Method] = None) -> dict:
 def _stopped_at_startup(cfg: Any, preemption: PreemptionHandler) -> dict:
     """Requeue (rank 0, after a requeue signal) and report a stop before the first step; nothing is written."""
     requeued = preemption.requeue()
-    newest = ckpt_mod.newest_complete(ckpt_mod.checkpoint_root(cfg))
+    newest = newest_complete(checkpoint_root(cfg))
     if distributed.is_rank0():
         print(f"stopped by {preemption.agreed.name if preemption.agreed else 'a signal'} during start-up, before the "
               f"first step: nothing new to save ("

@@ -20,10 +20,12 @@ from omegaconf import OmegaConf
 
 from dmc_train import config as config_mod
 from dmc_train import distributed
+from dmc_train.errors import CheckpointError
 from dmc_train.methods import METHODS, build_method
 from dmc_train.models.llama import build_model
 from dmc_train.recipes import validate
-from dmc_train.training import checkpointing as ckpt_mod
+from dmc_train.training.checkpoint_dirs import check_model_shape, find_checkpoint, read_meta
+from dmc_train.training.checkpoint_load import load_weights
 
 
 @dataclass
@@ -40,9 +42,9 @@ def config_from_checkpoint(meta: dict, overrides: Sequence[str] = ()) -> Any:
     saved = OmegaConf.create(meta["config"])
     method = METHODS.get(saved.method.name) if "method" in saved and "name" in saved.method else None
     if method is None:
-        raise ckpt_mod.CheckpointError(f"the checkpoint's config has no known method "
-                                       f"({OmegaConf.select(saved, 'method')}); "
-                                       f"pass the recipe's config instead")
+        raise CheckpointError(f"the checkpoint's config has no known method "
+                              f"({OmegaConf.select(saved, 'method')}); "
+                              f"pass the recipe's config instead")
     schema = OmegaConf.structured(config_mod.Config)
     schema.method = OmegaConf.structured(method.config)
     return OmegaConf.merge(schema, saved, OmegaConf.from_dotlist(list(overrides)))
@@ -51,18 +53,18 @@ def config_from_checkpoint(meta: dict, overrides: Sequence[str] = ()) -> Any:
 def load_model(checkpoint: str, overrides: Sequence[str] = (), cfg: Optional[Any] = None) -> LoadedModel:
     """Build this rank's model for ``checkpoint`` (a checkpoint, checkpoints root or run directory)
     at the layout of ``cfg.parallel`` (default TP=1 PP=1) and load its weights (saved at any layout)."""
-    ckpt = ckpt_mod.find_checkpoint(checkpoint)
-    meta = ckpt_mod.read_meta(ckpt)
+    ckpt = find_checkpoint(checkpoint)
+    meta = read_meta(ckpt)
     if cfg is None:
         single = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.virtual_pipeline=null"]
         cfg = config_from_checkpoint(meta, [*single, *overrides])
     validate(cfg, distributed.read_launch_env().world_size)
-    ckpt_mod.check_model_shape(ckpt, meta, cfg)
+    check_model_shape(ckpt, meta, cfg)
     p = cfg.parallel
     distributed.initialize(p.tensor, p.pipeline, p.virtual_pipeline, cfg.train.seed, p.timeout_minutes)
     method = build_method(cfg)
     model = method.prepare_model(build_model(cfg, attention=method.attention()))
-    ckpt_mod.load_weights(ckpt, model)
+    load_weights(ckpt, model)
     for chunk in model:
         chunk.eval()
     return LoadedModel(model, cfg, method, ckpt, meta)

@@ -32,7 +32,8 @@ from dmc_train.errors import CheckpointError
 from dmc_train.models.llama import llama_layer_spec
 from dmc_train.recipes import validate
 from dmc_train.training.base_reference import base_state
-from dmc_train.training.checkpointing import READ_ERRORS, check_model_shape, error_cause, find_checkpoint, read_meta
+from dmc_train.training.checkpoint_dirs import check_model_shape, find_checkpoint, read_meta
+from dmc_train.training.checkpoint_errors import READ_ERRORS, error_cause
 from dmc_train.training.model_loading import config_from_checkpoint
 
 __all__ = ["SavedRun", "read_model_state"]

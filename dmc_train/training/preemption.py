@@ -31,7 +31,6 @@ it, so it is delivered then. This module imports torch only when ``should_stop()
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -156,8 +155,10 @@ class PreemptionHandler:
         """
         import torch.distributed as dist
 
+        from dmc_train.distributed import scheduler_job_id
+
         self.requeue_error = None
-        job_id = os.environ.get("SLURM_JOB_ID")
+        job_id = scheduler_job_id()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if not (force or self._requeue):
             self.requeue_error = "no requeue signal was received"

@@ -77,7 +77,7 @@ def build_scheduler(cfg: Any, optimizer, total_steps: int) -> Scheduler:
 
     Megatron's scheduler counts samples; we step it by 1 per optimizer step so its units are steps.
     On resume only the step count comes from the checkpoint: the config's lr, schedule and warm-up apply
-    (``config.yaml`` stays true; ``checkpointing.resolve_resume`` names what changed).
+    (``config.yaml`` stays true; ``checkpoint_resume.resolve_resume`` names what changed).
     """
     o = cfg.optim
     warmup = o.warmup_steps

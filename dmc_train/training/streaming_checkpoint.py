@@ -18,7 +18,7 @@ its ``sharded_state_dict()`` is preprocessed and translated exactly as megatron'
 does, and torch.distributed.checkpoint's ``FileSystemWriter`` writes the items through a planner whose
 ``resolve_data`` produces each chunk's tensor only when the writer asks for it (one thread: in plan
 order, one at a time). ``common.pt`` and ``metadata.json`` come from megatron's own functions. So the
-files equal those :func:`~dmc_train.training.checkpointing.save_weights` writes for a TP=1 model with
+files equal those :func:`~dmc_train.training.checkpoint_save.save_weights` writes for a TP=1 model with
 the same weights (same keys, chunks, dtypes and bytes; tested). Memory: the tensor being converted,
 plus what the writer keeps: ``FileSystemWriter`` holds a reference to the last chunk it wrote of every
 key until the file is closed (a layer's chunks, the embedding and the output layer), not the model.
@@ -52,7 +52,9 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from dmc_train.distributed import barrier, world_size
 from dmc_train.errors import CheckpointError, ConfigError, UserError
 from dmc_train.models.llama import build_model
-from dmc_train.training.checkpointing import READ_ERRORS, error_cause, find_checkpoint, publish_weights, read_meta
+from dmc_train.training.checkpoint_dirs import find_checkpoint, read_meta
+from dmc_train.training.checkpoint_errors import READ_ERRORS, error_cause
+from dmc_train.training.checkpoint_save import publish_weights
 
 __all__ = ["meta_model", "save_weights_streaming", "CheckpointTensors", "checkpoint_config"]
 
@@ -116,7 +118,7 @@ def save_weights_streaming(cfg: Any, tensor_of: TensorFn, out: str, extra_meta: 
     """Write the weights-only checkpoint ``out`` of the TP=1 model of ``cfg`` whose tensors ``tensor_of``
     gives, one at a time, cast to ``cfg.train.precision``; an error of ``tensor_of`` (a missing tensor,
     a wrong shape) is re-raised as it is, with nothing written. The files are
-    those :func:`~dmc_train.training.checkpointing.save_weights` writes; as there, everything is written
+    those :func:`~dmc_train.training.checkpoint_save.save_weights` writes; as there, everything is written
     under ``out.tmp`` and renamed (``meta.json`` last). One process, distributed state at TP=1 PP=1.
     Returns ``out``."""
     out = os.path.abspath(out)

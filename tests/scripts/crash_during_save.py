@@ -13,7 +13,8 @@ import sys
 
 def main(run_dir: str, mode: str) -> None:
     from dmc_train.recipes import load_config
-    from dmc_train.training import checkpointing
+    from dmc_train.training import checkpoint_save
+    from dmc_train.training.checkpoint_dirs import META
     from dmc_train.training.loop import train
 
     def die():
@@ -23,7 +24,7 @@ def main(run_dir: str, mode: str) -> None:
             child.kill()
         os._exit(9)
 
-    real_save, real_publish = checkpointing.dist_checkpointing.save, checkpointing._publish
+    real_save, real_publish = checkpoint_save.dist_checkpointing.save, checkpoint_save._publish
 
     def crash_in_write(state, path, *a, **k):
         real_save(state, path, *a, **k)
@@ -35,15 +36,15 @@ def main(run_dir: str, mode: str) -> None:
 
     def crash_before_rename(cfg, tmp, final, meta):
         if final.endswith("iter_0000002"):
-            with open(os.path.join(tmp, checkpointing.META), "w") as f:
+            with open(os.path.join(tmp, META), "w") as f:
                 f.write("{}")
             die()
         real_publish(cfg, tmp, final, meta)
 
     if mode == "during_write":
-        checkpointing.dist_checkpointing.save = crash_in_write
+        checkpoint_save.dist_checkpointing.save = crash_in_write
     else:
-        checkpointing._publish = crash_before_rename
+        checkpoint_save._publish = crash_before_rename
     train(load_config(["+recipe=tiny_pretrain", f"run_dir={run_dir}", "train.max_steps=3",
                        "checkpoint.save_interval=1", "train.eval_interval=0", "logging.progress=false"]))
 

@@ -131,7 +131,7 @@ def main(out_path: str, work: str) -> None:
     from dmc_train.models.dmc import DMCSelfAttention
     from dmc_train.models.llama_weights import split_qkv
     from dmc_train.recipes import load_config
-    from dmc_train.training.checkpointing import read_meta
+    from dmc_train.training.checkpoint_dirs import read_meta
     from dmc_train.training.loop import Trainer
 
     res = {}

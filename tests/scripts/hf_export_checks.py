@@ -100,7 +100,7 @@ def round_trip(work, name, tie, tokenizer=None):
     from dmc_train.models.llama import build_model
     from dmc_train.models.llama_weights import hf_to_megatron
     from dmc_train.recipes import load_config
-    from dmc_train.training.checkpointing import save_weights
+    from dmc_train.training.checkpoint_save import save_weights
 
     torch.manual_seed(1)
     hf_cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=3,

@@ -98,7 +98,7 @@ def model_path_import(hf_dir: str, out: str, dtype: str) -> None:
     from dmc_train import distributed
     from dmc_train.conversion.hf_import import hf_run_config
     from dmc_train.models.llama import build_model
-    from dmc_train.training.checkpointing import save_weights
+    from dmc_train.training.checkpoint_save import save_weights
     from dmc_train.training.hf_loading import load_hf_into_model, read_hf_config
 
     cfg = hf_run_config(read_hf_config(hf_dir), dtype)
@@ -237,7 +237,7 @@ def layouts(out_path: str, ckpt: str, hf_dir: str, run_dir: str) -> None:
     from dmc_train import distributed
     from dmc_train.models.llama import build_model
     from dmc_train.recipes import load_config
-    from dmc_train.training.checkpointing import save_weights
+    from dmc_train.training.checkpoint_save import save_weights
     from dmc_train.training.forward import logits
     from dmc_train.training.hf_loading import load_hf_into_model
     from dmc_train.training.loop import Trainer

@@ -42,7 +42,7 @@ def main(out_path: str, work: str) -> None:
     from dmc_train import distributed
     from dmc_train.conversion.reshard import reshard
     from dmc_train.errors import CheckpointError
-    from dmc_train.training.checkpointing import find_checkpoint
+    from dmc_train.training.checkpoint_dirs import find_checkpoint
 
     res = {}
     train([f"run_dir={work}/A", "parallel.tensor=2", "train.max_steps_per_job=3"])
