@@ -41,10 +41,10 @@ from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, tea
 from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.methods.configs import DMCSettings
 from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import rope_angles, rope_inv_freq
+from dmc_train.models.rope import rope, rope_angles, rope_inv_freq, rotate_half_rope
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
-from kernels.dmc import decisions, rotate_half_rope
+from kernels.dmc import decisions
 from kernels.less import eviction_masks, less_attention, phi_k, phi_q
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,22 +97,6 @@ def random_weights(shape: ModelShape, seed: int = 0, std: float = 0.2) -> dict[s
     return w
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float,
-         scaling: Optional[RopeScalingConfig] = None) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it)
-    with base ``base`` and ``scaling`` (``model.rope_scaling``; None: unscaled); the frequencies of
-    :func:`~dmc_train.models.rope.rope_inv_freq`, angles in fp32, as megatron-core."""
-    cos, sin = rope_angles(positions, _inv_freq(x.shape[-1], float(base), scaling, x.device))
-    return rotate_half_rope(x, cos.to(x.dtype), sin.to(x.dtype))
-
-
-@functools.lru_cache(maxsize=32)
-def _inv_freq(head_dim: int, base: float, scaling: Optional[RopeScalingConfig], device: torch.device) -> torch.Tensor:
-    """:func:`~dmc_train.models.rope.rope_inv_freq` on ``device``, computed once per model (every layer and
-    decode step rotates; nothing writes into the returned tensor)."""
-    return rope_inv_freq(head_dim, base, scaling).to(device)
-
-
 class LlamaForInference:
     """A Llama (optionally DMC) model for generation; weights in HF ``LlamaForCausalLM`` names."""
 
@@ -148,6 +132,8 @@ class LlamaForInference:
                 "norm_in": w(p + "input_layernorm.weight"),
                 "norm_mlp": w(p + "post_attention_layernorm.weight"),
             })
+        self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling)
+        self.rope = functools.partial(rope, inv_freq=self.inv_freq)  # rope(x [..., d], positions): the model's RoPE
         self.rotate_in_cache = dmc is not None and dmc.rope_order == "pre"
         self.keep = None
         if dmc is not None and dmc.channel is not None:
@@ -219,6 +205,8 @@ class LlamaForInference:
         b, n = tokens.shape
         d = s.head_dim
         x = self.embed[tokens]
+        if not raw_qk:  # every layer rotates at the same positions: [b, 1, n, d], in the model's dtype
+            cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
         for i, p in enumerate(self.layers):
             h = rms_norm(x, p["norm_in"], s.norm_eps)
             q, k, v = (h @ p["qkv"].T).split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
@@ -229,12 +217,12 @@ class LlamaForInference:
             if self.keep is not None:  # zeroed before RoPE (as training) and in q after (channel unused)
                 q, k = q * self.keep, k * self.keep
             if not raw_qk:
-                q = rope(q, positions[:, None], s.rope_base, s.rope_scaling)
+                q = rotate_half_rope(q, cos, sin)
             if self.rotate_in_cache or raw_qk:  # DMC rope_order=pre: the cache rotates the accumulated keys;
                 # raw_qk (LightCache): q too, at the positions the cache gives them
-                info.rotate = functools.partial(rope, base=s.rope_base, scaling=s.rope_scaling)
+                info.rotate = self.rope
             else:
-                k = rope(k, positions[:, None], s.rope_base, s.rope_scaling)
+                k = rotate_half_rope(k, cos, sin)
             if self.keep is not None:
                 q = q * self.keep
             out = attend(i, q, k, v, info)

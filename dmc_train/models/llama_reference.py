@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import model_inv_freq, rope_angles
-from kernels.dmc import rotate_half_rope
+from dmc_train.models.rope import model_inv_freq, rope_angles, rotate_half_rope
 
 __all__ = ["streaming_logits", "layer_names"]
 
