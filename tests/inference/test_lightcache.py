@@ -61,7 +61,7 @@ def test_projections_are_the_principal_directions_and_compression_is_a_projectio
     assert torch.allclose(eye, torch.eye(3).expand_as(eye), atol=1e-6)  # orthonormal columns
     # the top singular directions of each head's W_k slice: P^T W keeps its 3 largest singular values
     q = SHAPE.num_heads * D
-    w_k = model.layers[1]["qkv"][q: q + SHAPE.num_kv_heads * D].view(SHAPE.num_kv_heads, D, -1)
+    w_k = model.layers[1].qkv[q: q + SHAPE.num_kv_heads * D].view(SHAPE.num_kv_heads, D, -1)
     kept = torch.linalg.svdvals(p.k[1].transpose(-1, -2) @ w_k)
     assert torch.allclose(kept, torch.linalg.svdvals(w_k)[:, :3], rtol=1e-5)
     # compress then decompress = the orthogonal projection; a key inside the subspace round-trips
