@@ -16,12 +16,13 @@ A cache (or attention) that numbers positions itself (LightCache: RoPE at window
 ``rope_in_cache``) receives q and k before RoPE with ``info.rotate``, and then has no length limit; a
 cache with ``prefill_chunk`` receives a prompt in chunks of that many tokens (continuation prefills).
 
-Per layer: RMSNorm -> fused q/k/v projection -> (DMC: decisions from the pre-RoPE decision channel,
-which is then zeroed) -> RoPE (rotate-half, as megatron-core and HF, scaled by ``model.rope_scaling``
-(``llama3``, ``linear``) with the training model's frequencies; for DMC ``rope_order=pre`` the
-keys reach the cache un-rotated and it rotates the accumulated ones) -> the cache's attention ->
-output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: hidden ``[b, n, hidden]``,
-heads ``[b, H, n, d]``; decisions ``[b, H_kv, n]``.
+Per layer (:class:`~dmc_train.models.llama_layer.LlamaLayer`, the importer's reference layer too): RMSNorm ->
+fused q/k/v projection -> [here: (DMC: decisions from the pre-RoPE decision channel, which is then zeroed) ->
+RoPE (:mod:`dmc_train.models.rope`: rotate-half, as megatron-core and HF, scaled by ``model.rope_scaling``
+(``llama3``, ``linear``) with the training model's frequencies, the angles computed once per forward; for DMC
+``rope_order=pre`` the keys reach the cache un-rotated and it rotates the accumulated ones) -> the cache's
+attention] -> output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: hidden
+``[b, n, hidden]``, heads ``[b, H, n, d]``; decisions ``[b, H_kv, n]``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from dmc_train.config import RopeScalingConfig, kv_groups, rope_scaling_of
 from dmc_train.distributed import without_cpu_compat_mode
@@ -40,11 +40,12 @@ from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.models.dmc_settings import DMCSettings
+from dmc_train.models.llama_layer import LlamaLayer
 from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import rope_angles, rope_inv_freq
+from dmc_train.models.rope import rope, rope_angles, rope_inv_freq, rotate_half_rope
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
-from kernels.dmc import decisions, rotate_half_rope
+from kernels.dmc import decisions
 from kernels.less import eviction_masks, less_attention, phi_k, phi_q
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,22 +98,6 @@ def random_weights(shape: ModelShape, seed: int = 0, std: float = 0.2) -> dict[s
     return w
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float,
-         scaling: Optional[RopeScalingConfig] = None) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it)
-    with base ``base`` and ``scaling`` (``model.rope_scaling``; None: unscaled); the frequencies of
-    :func:`~dmc_train.models.rope.rope_inv_freq`, angles in fp32, as megatron-core."""
-    cos, sin = rope_angles(positions, _inv_freq(x.shape[-1], float(base), scaling, x.device))
-    return rotate_half_rope(x, cos.to(x.dtype), sin.to(x.dtype))
-
-
-@functools.lru_cache(maxsize=32)
-def _inv_freq(head_dim: int, base: float, scaling: Optional[RopeScalingConfig], device: torch.device) -> torch.Tensor:
-    """:func:`~dmc_train.models.rope.rope_inv_freq` on ``device``, computed once per model (every layer and
-    decode step rotates; nothing writes into the returned tensor)."""
-    return rope_inv_freq(head_dim, base, scaling).to(device)
-
-
 class LlamaForInference:
     """A Llama (optionally DMC) model for generation; weights in HF ``LlamaForCausalLM`` names."""
 
@@ -137,17 +122,9 @@ class LlamaForInference:
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
         self.final_norm = w("model.norm.weight")
-        self.layers = []
-        for i in range(s.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append({
-                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                "o": w(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
-                "norm_in": w(p + "input_layernorm.weight"),
-                "norm_mlp": w(p + "post_attention_layernorm.weight"),
-            })
+        self.layers = [LlamaLayer(i, w, s.head_dim, s.norm_eps) for i in range(s.num_layers)]
+        self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling)
+        self.rope = functools.partial(rope, inv_freq=self.inv_freq)  # rope(x [..., d], positions): the model's RoPE
         self.rotate_in_cache = dmc is not None and dmc.rope_order == "pre"
         self.keep = None
         if dmc is not None and dmc.channel is not None:
@@ -215,33 +192,30 @@ class LlamaForInference:
             return self._layers(tokens, positions, attend, raw_qk)
 
     def _layers(self, tokens, positions, attend, raw_qk: bool = False) -> torch.Tensor:
-        s = self.shape
-        b, n = tokens.shape
-        d = s.head_dim
         x = self.embed[tokens]
-        for i, p in enumerate(self.layers):
-            h = rms_norm(x, p["norm_in"], s.norm_eps)
-            q, k, v = (h @ p["qkv"].T).split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
-            q, k, v = (t.view(b, n, -1, d).transpose(1, 2) for t in (q, k, v))
+        if not raw_qk:  # every layer rotates at the same positions: [b, 1, n, d], in the model's dtype
+            cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
+
+        def attention(i, q, k, v):  # between the projections and the cache: DMC's decisions, RoPE
             info = TokenInfo(positions)
             if self.dmc is not None:
                 info.alpha, info.omega = self._decisions(q, k, positions)
             if self.keep is not None:  # zeroed before RoPE (as training) and in q after (channel unused)
                 q, k = q * self.keep, k * self.keep
             if not raw_qk:
-                q = rope(q, positions[:, None], s.rope_base, s.rope_scaling)
+                q = rotate_half_rope(q, cos, sin)
             if self.rotate_in_cache or raw_qk:  # DMC rope_order=pre: the cache rotates the accumulated keys;
                 # raw_qk (LightCache): q too, at the positions the cache gives them
-                info.rotate = functools.partial(rope, base=s.rope_base, scaling=s.rope_scaling)
+                info.rotate = self.rope
             else:
-                k = rope(k, positions[:, None], s.rope_base, s.rope_scaling)
+                k = rotate_half_rope(k, cos, sin)
             if self.keep is not None:
                 q = q * self.keep
-            out = attend(i, q, k, v, info)
-            x = x + self._all_reduce(out.transpose(1, 2).reshape(b, n, -1) @ p["o"].T)
-            gate, up = (rms_norm(x, p["norm_mlp"], s.norm_eps) @ p["gate_up"].T).chunk(2, dim=-1)
-            x = x + self._all_reduce((F.silu(gate) * up) @ p["down"].T)
-        return rms_norm(x, self.final_norm, s.norm_eps) @ self.lm_head.T
+            return attend(i, q, k, v, info)
+
+        for layer in self.layers:
+            x = layer(x, attention, self._all_reduce)
+        return rms_norm(x, self.final_norm, self.shape.norm_eps) @ self.lm_head.T
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel projection's ``partial`` (itself without a group)."""

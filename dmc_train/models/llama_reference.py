@@ -17,7 +17,8 @@ frequencies, ``model.rope_scaling`` included, from :func:`~dmc_train.models.rope
 ``inv_freq`` given: the importer passes transformers' own, so a misread RoPE config shows), causal
 attention with GQA (query head ``j`` reads KV head ``j // (heads / kv_heads)``, scale ``1/sqrt(d)``),
 SwiGLU ``down(silu(gate x) * up x)``, a final RMSNorm and ``lm_head``. ``tests/conversion`` checks it
-against transformers on tiny models.
+against transformers on tiny models. The layer is :class:`~dmc_train.models.llama_layer.LlamaLayer`, the
+inference model's, here with causal SDPA over the whole sequence as its attention.
 """
 
 from __future__ import annotations
@@ -27,56 +28,39 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from dmc_train.models.llama_layer import LlamaLayer, layer_names
 from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import model_inv_freq, rope_angles
-from kernels.dmc import rotate_half_rope
+from dmc_train.models.rope import model_inv_freq, rope_angles, rotate_half_rope
 
-__all__ = ["streaming_logits", "layer_names"]
+__all__ = ["streaming_logits"]
 
 Fetch = Callable[[list[str]], dict[str, torch.Tensor]]
-_LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-          "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-          "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
-def layer_names(i: int) -> list[str]:
-    """The Hugging Face names of layer ``i``'s nine tensors."""
-    return [f"model.layers.{i}.{n}" for n in _LAYER]
-
-
-def _layer(x: torch.Tensor, w: dict[str, torch.Tensor], heads: int, kv_heads: int, eps: float,
-           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One decoder layer on ``x [b, s, hidden]`` (fp32) with the layer's tensors ``w`` (short names)."""
-    b, s, hidden = x.shape
-    d = hidden // heads
-    h = rms_norm(x, w["input_layernorm.weight"], eps)
-    q = F.linear(h, w["self_attn.q_proj.weight"].float()).view(b, s, heads, d).transpose(1, 2)
-    k = F.linear(h, w["self_attn.k_proj.weight"].float()).view(b, s, kv_heads, d).transpose(1, 2)
-    v = F.linear(h, w["self_attn.v_proj.weight"].float()).view(b, s, kv_heads, d).transpose(1, 2)
-    q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
-    k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, hidden)
-    x = x + F.linear(attn, w["self_attn.o_proj.weight"].float())
-    h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
-    mlp = F.silu(F.linear(h, w["mlp.gate_proj.weight"].float())) * F.linear(h, w["mlp.up_proj.weight"].float())
-    return x + F.linear(mlp, w["mlp.down_proj.weight"].float())
+def _fetch_layer(fetch: Fetch, i: int, head_dim: int, eps: float) -> LlamaLayer:
+    """Layer ``i`` in fp32; the fetched tensors are dropped on return (the layer holds what it computes with)."""
+    got = fetch(layer_names(i))
+    return LlamaLayer(i, lambda name: got[name].float(), head_dim, eps)
 
 
 @torch.no_grad()
 def streaming_logits(fetch: Fetch, model: Any, tokens: torch.Tensor,
                      inv_freq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits ``[b, s, vocab]`` (fp32) of the Llama whose tensors ``fetch`` gives, on ``tokens [b, s]``
-    (no padding). ``model`` is the ``model`` config node (layers, heads, KV groups, RoPE base and scaling,
+    (no padding). ``model`` is the ``model`` config node (layers, heads, RoPE base and scaling,
     norm eps); ``inv_freq [head_dim / 2]`` replaces the RoPE frequencies it implies."""
     heads = model.num_attention_heads
-    kv_heads = model.num_query_groups or heads
     eps = float(model.norm_epsilon)
     x = F.embedding(tokens, fetch(["model.embed_tokens.weight"])["model.embed_tokens.weight"].float())
     cos, sin = rope_angles(torch.arange(tokens.shape[1]), model_inv_freq(model) if inv_freq is None else inv_freq)
-    for i in range(model.num_layers):
-        names = layer_names(i)
-        got = fetch(names)
-        x = _layer(x, {short: got[n] for short, n in zip(_LAYER, names)}, heads, kv_heads, eps, cos, sin)
-        del got
+
+    def attend(layer, q, k, v):  # [b, H, s, d], [b, H_kv, s, d] x 2 -> [b, H, s, d]: causal, GQA
+        q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    for i in range(model.num_layers):  # each layer is dropped before the next one is fetched
+        x = _fetch_layer(fetch, i, x.shape[-1] // heads, eps)(x, attend)
     x = rms_norm(x, fetch(["model.norm.weight"])["model.norm.weight"], eps)
     return F.linear(x, fetch(["lm_head.weight"])["lm_head.weight"].float())

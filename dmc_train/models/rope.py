@@ -1,14 +1,21 @@
-"""RoPE's inverse frequencies, unscaled or scaled (``model.rope_scaling``): the one place they are computed.
+"""RoPE: its inverse frequencies, unscaled or scaled (``model.rope_scaling``), its angles and its rotation.
 
     inv_freq = rope_inv_freq(head_dim, rotary_base, rope_scaling)   # [head_dim / 2], fp32
     inv_freq = model_inv_freq(cfg.model)                            # the same, from the model node
+    cos, sin = rope_angles(positions, inv_freq)                     # [..., head_dim], fp32
+    x = rotate_half_rope(x, cos, sin)                               # x [..., head_dim], cos / sin broadcast
+    x = rope(x, positions, inv_freq)                                # the two above, angles cast to x's dtype
 
 Every RoPE of the project takes its angles ``position * inv_freq`` (rotate-half convention, the
 frequencies repeated for both halves) from here: the training model (megatron-core's
 ``RotaryEmbedding`` reads them from its ``inv_freq``, which :func:`dmc_train.models.llama.build_model`
 sets; DMC's ``rope_order=pre`` rotates with that same embedding), the inference engine
-(:func:`dmc_train.inference.model.rope`, the DMC cache's rotation of accumulated keys included) and the
-importer's layer-by-layer verification (:mod:`dmc_train.models.llama_reference`). Exported models run
+(:class:`~dmc_train.inference.model.LlamaForInference`; its ``rope`` is the DMC cache's rotation of
+accumulated keys and LightCache's rotation at window positions) and the importer's layer-by-layer
+verification (:mod:`dmc_train.models.llama_reference`). The rotation itself is
+:func:`kernels.dmc.rotate_half_rope` (``kernels/`` sit below ``models/``, and DMC's ``rope_order=pre``
+reference needs it), re-exported here so that the code above takes all of RoPE from this module. Exported
+models run
 transformers' own RoPE from the ``rope_parameters`` the exporter writes
 (:func:`dmc_train.models.hf_config.rope_parameters`); the tests check that transformers computes
 these very frequencies, bit for bit, for every type.
@@ -35,8 +42,9 @@ from typing import Any
 import torch
 
 from dmc_train.config import RopeScalingConfig, rope_scaling_of
+from kernels.dmc import rotate_half_rope
 
-__all__ = ["rope_inv_freq", "model_inv_freq", "rope_angles"]
+__all__ = ["rope_inv_freq", "model_inv_freq", "rope_angles", "rotate_half_rope", "rope"]
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScalingConfig | None = None) -> torch.Tensor:
@@ -68,9 +76,17 @@ def model_inv_freq(model: Any) -> torch.Tensor:
                          rope_scaling_of(model))
 
 
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [..., d]`` (fp32) of ``positions [...]`` for the rotate-half convention: the angles
-    ``position * inv_freq`` repeated for both halves."""
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [..., d]`` of ``positions [...]`` for the rotate-half convention: the angles
+    ``position * inv_freq`` repeated for both halves, computed in fp32 (as megatron-core), returned in ``dtype``."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [..., d]`` at ``positions`` (shape ``x.shape[:-1]`` or broadcastable to it) with
+    the frequencies ``inv_freq [d / 2]``: angles in fp32, the rotation in ``x``'s dtype."""
+    cos, sin = rope_angles(positions, inv_freq, x.dtype)
+    return rotate_half_rope(x, cos, sin)

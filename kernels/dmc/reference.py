@@ -223,7 +223,8 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """RoPE in the rotate-half convention (Llama; megatron-core with ``rotary_interleaved=False``):
     ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
 
-    ``x [b, h, n, d]``; ``cos`` / ``sin`` ``[n, d]`` (position t's angles repeated over both halves).
+    ``x [b, h, n, d]``; ``cos`` / ``sin`` ``[n, d]`` (position t's angles repeated over both halves), or any
+    shapes that broadcast to ``x``'s.
     """
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

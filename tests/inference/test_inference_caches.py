@@ -109,8 +109,6 @@ def test_bf16_pages_and_logits(make_model, variant):
 def test_pre_rope_order_rotates_accumulated_raw_keys(make_model):
     """rope_order=pre is a different model: the same weights give other logits than post, and its
     closed slots are raw segment averages rotated at the segment's last position."""
-    from dmc_train.inference.model import rope
-
     seq = torch.randint(0, SHAPE.vocab_size, (20,), generator=torch.Generator().manual_seed(6))
     pre, post = make_model("dmc_pre"), make_model("dmc_exact")
     assert not torch.allclose(pre.forward(seq[None]), post.forward(seq[None]), atol=1e-3)
@@ -132,4 +130,4 @@ def test_pre_rope_order_rotates_accumulated_raw_keys(make_model):
     for i, (a, b) in enumerate(zip(starts, ends)):
         w = omega[0, a: b + 1, None]
         mean = (w * k[0, a: b + 1]).sum(0) / w.sum()
-        torch.testing.assert_close(slots[i], rope(mean, torch.tensor(b), SHAPE.rope_base), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(slots[i], pre.rope(mean, torch.tensor(b)), rtol=1e-5, atol=1e-5)

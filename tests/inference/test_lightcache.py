@@ -3,7 +3,6 @@ scores, the engine's paged cache = the parallel form (random and trained GQA mod
 chunked prefill), the bytes held over 500 decode steps, prompts longer than the model's positions,
 the generate and evaluate commands, and one-line errors."""
 
-import functools
 import json
 
 import pytest
@@ -14,7 +13,7 @@ from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import TokenInfo, build_cache, causal_attention
 from dmc_train.inference.caches.lightcache import lightcache_for
 from dmc_train.inference.engine import Engine
-from dmc_train.inference.model import LlamaForInference, ModelShape, random_weights, rope
+from dmc_train.inference.model import LlamaForInference, ModelShape, random_weights
 from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams
 from dmc_train.policies.lightcache import compress, decompress, select
@@ -62,7 +61,7 @@ def test_projections_are_the_principal_directions_and_compression_is_a_projectio
     assert torch.allclose(eye, torch.eye(3).expand_as(eye), atol=1e-6)  # orthonormal columns
     # the top singular directions of each head's W_k slice: P^T W keeps its 3 largest singular values
     q = SHAPE.num_heads * D
-    w_k = model.layers[1]["qkv"][q: q + SHAPE.num_kv_heads * D].view(SHAPE.num_kv_heads, D, -1)
+    w_k = model.layers[1].qkv[q: q + SHAPE.num_kv_heads * D].view(SHAPE.num_kv_heads, D, -1)
     kept = torch.linalg.svdvals(p.k[1].transpose(-1, -2) @ w_k)
     assert torch.allclose(kept, torch.linalg.svdvals(w_k)[:, :3], rtol=1e-5)
     # compress then decompress = the orthogonal projection; a key inside the subspace round-trips
@@ -82,8 +81,8 @@ def test_full_width_with_every_entry_selected_is_full_attention(make_model):
     n = 70
     q, k, v = (torch.randn(2, h, n, D, generator=g) for h in (4, 2, 2))
     pos = torch.arange(n)
-    got = lc.parallel_attention(0, q, k, v, TokenInfo(pos, rotate=functools.partial(rope, base=SHAPE.rope_base)))
-    want = causal_attention(rope(q, pos, SHAPE.rope_base), rope(k, pos, SHAPE.rope_base), v, model.scale)
+    got = lc.parallel_attention(0, q, k, v, TokenInfo(pos, rotate=model.rope))
+    want = causal_attention(model.rope(q, pos), model.rope(k, pos), v, model.scale)
     assert (got - want).abs().max() < 1e-5
     # and through the engine (chunked prefill + decode), logits of the whole model
     seq = torch.randperm(SHAPE.vocab_size, generator=g)[:48]
@@ -92,10 +91,11 @@ def test_full_width_with_every_entry_selected_is_full_attention(make_model):
     assert (got - model.forward(seq[None])[0]).abs().max() < 1e-4
 
 
-def reference_lightcache(q, k, v, lc, layer, base):
+def reference_lightcache(q, k, v, lc, layer, rope):
     """The paper's steps, one query at a time: ``q [H, n, d]``, ``k / v [H_kv, n, d]`` before RoPE ->
-    ``[H, n, d]``. Compressed tokens g .. t-l; each query head's top-k (ties: lower index) votes; segments
-    as sets; the window [global, selected (decompressed), local] rotated at 0..W-1, the query at W-1."""
+    ``[H, n, d]`` (``rope(x, positions)``: the model's RoPE). Compressed tokens g .. t-l; each query head's
+    top-k (ties: lower index) votes; segments as sets; the window [global, selected (decompressed), local]
+    rotated at 0..W-1, the query at W-1."""
     s = lc.settings
     glob, loc, m = s.global_, s.local, s.segment
     h, n, _ = q.shape
@@ -125,9 +125,9 @@ def reference_lightcache(q, k, v, lc, layer, base):
             keys = torch.cat([k[kv, glob_t], (k[kv, comp][chosen] @ pk) @ pk.T, k[kv, loc_t]])
             vals = torch.cat([v[kv, glob_t], (v[kv, comp][chosen] @ pv) @ pv.T, v[kv, loc_t]])
             w = len(keys)
-            keys = rope(keys, torch.arange(w), base)
+            keys = rope(keys, torch.arange(w))
             for j in heads:
-                logits = keys @ rope(q[j, t], torch.tensor(w - 1), base) * lc.scale
+                logits = keys @ rope(q[j, t], torch.tensor(w - 1)) * lc.scale
                 out[j, t] = torch.softmax(logits, -1) @ vals
     return out
 
@@ -139,9 +139,9 @@ def test_parallel_form_equals_the_papers_steps_one_query_at_a_time(make_model, o
     g = torch.Generator().manual_seed(5)
     n = 37
     q, k, v = (torch.randn(1, h, n, D, generator=g) for h in (4, 2, 2))
-    info = TokenInfo(torch.arange(n), rotate=functools.partial(rope, base=SHAPE.rope_base))
+    info = TokenInfo(torch.arange(n), rotate=model.rope)
     got = lc.parallel_attention(1, q, k, v, info)[0]
-    want = reference_lightcache(q[0], k[0], v[0], lc, 1, SHAPE.rope_base)
+    want = reference_lightcache(q[0], k[0], v[0], lc, 1, model.rope)
     assert (got - want).abs().max() < 1e-5
 
 

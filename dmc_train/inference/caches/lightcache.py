@@ -44,8 +44,8 @@ def lightcache_for(model: Any, options: dict[str, Any]) -> LightCache:
         raise InferenceError("the 'lightcache' cache runs on vanilla and GQA checkpoints; this one is a DMC model, "
                              "which compresses with its own cache: use cache='dmc' (or auto)")
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    k_weights = [p["qkv"][q: q + kv] for p in model.layers]
-    v_weights = [p["qkv"][q + kv: q + 2 * kv] for p in model.layers]
+    k_weights = [p.qkv[q: q + kv] for p in model.layers]
+    v_weights = [p.qkv[q + kv: q + 2 * kv] for p in model.layers]
     return LightCache.from_weights(options, k_weights, v_weights, s.num_kv_heads, s.max_positions, model.scale,
                                    model.dtype)
 

@@ -1,0 +1,67 @@
+"""One Llama decoder layer in plain torch with the attention core passed in: the inference model's and the
+importer's reference forward (:mod:`dmc_train.models.llama_reference`) both run it.
+
+    layer = LlamaLayer(i, weight, head_dim, norm_eps)   # weight(hf_name) -> tensor, in the dtype to compute in
+    x = layer(x, attend)                                # [b, n, hidden] -> [b, n, hidden]
+
+RMSNorm (fp32 inside) -> q, k, v projections (one matmul over the stacked weights) -> ``attend(i, q, k, v)``
+-> output projection -> residual -> RMSNorm -> SwiGLU ``down(silu(gate h) * up h)`` -> residual, as
+transformers' ``LlamaDecoderLayer`` without biases. q and k reach ``attend`` before RoPE: the caller rotates
+them (:mod:`dmc_train.models.rope`), because what happens there differs (the reference rotates both at
+``0..n-1``; the engine reads DMC's decisions from the un-rotated q and k, and some caches rotate the keys
+themselves). Layouts: hidden ``[b, n, hidden]``; ``attend`` takes ``q [b, H, n, d]``, ``k, v [b, H_kv, n, d]``
+and returns ``[b, H, n, d]``. Under tensor parallelism the weights are one rank's shard (its heads, its part
+of the MLP) and ``all_reduce`` sums the output and down projections' partial results over the ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from dmc_train.models.norm import rms_norm
+
+__all__ = ["LlamaLayer", "layer_names"]
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, q, k, v) -> out
+_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+            "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def layer_names(i: int) -> list[str]:
+    """The Hugging Face names of layer ``i``'s nine tensors."""
+    return [f"model.layers.{i}.{n}" for n in _TENSORS]
+
+
+class LlamaLayer:
+    """Layer ``index``'s weights, read by Hugging Face name, and its forward.
+
+    ``qkv [(H + 2 H_kv) d, hidden]`` (q_proj, k_proj, v_proj stacked), ``o [hidden, H d]``,
+    ``gate_up [2 ffn, hidden]`` (gate_proj, up_proj stacked), ``down [hidden, ffn]``, ``norm_in`` and
+    ``norm_mlp [hidden]``."""
+
+    def __init__(self, index: int, weight: Callable[[str], torch.Tensor], head_dim: int, eps: float):
+        p = f"model.layers.{index}."
+        q, k, v = (weight(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+        self.index, self.head_dim, self.eps = index, head_dim, eps
+        self.qkv, self.split = torch.cat([q, k, v]), [len(q), len(k), len(v)]
+        self.o = weight(p + "self_attn.o_proj.weight")
+        self.gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")])
+        self.down = weight(p + "mlp.down_proj.weight")
+        self.norm_in = weight(p + "input_layernorm.weight")
+        self.norm_mlp = weight(p + "post_attention_layernorm.weight")
+
+    def __call__(self, x: torch.Tensor, attend: Attend,
+                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """``x [b, n, hidden]`` after this layer; ``attend(index, q, k, v)`` is the attention core."""
+        b, n, _ = x.shape
+        h = rms_norm(x, self.norm_in, self.eps)
+        q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in (h @ self.qkv.T).split(self.split, -1))
+        out = attend(self.index, q, k, v).transpose(1, 2).reshape(b, n, -1) @ self.o.T
+        x = x + (out if all_reduce is None else all_reduce(out))
+        gate, up = (rms_norm(x, self.norm_mlp, self.eps) @ self.gate_up.T).chunk(2, dim=-1)
+        out = (F.silu(gate) * up) @ self.down.T
+        return x + (out if all_reduce is None else all_reduce(out))
