@@ -190,3 +190,12 @@ def test_invalid_inputs_raise(changes, match):
 def test_valid_args_of_the_error_cases():
     args = _args()
     torch.testing.assert_close(paged_attention(**args), reference_paged_attention(**args), rtol=1e-5, atol=1e-5)
+
+
+def test_check_values_off_skips_only_the_value_checks():
+    """A caller that builds its block table (the engine's pool) skips the host-side value checks; shapes and
+    dtypes are still checked."""
+    args = _with(seq_lens=lambda a: torch.tensor([17, 16, 40, 64]))  # row 0 reads its entry -1: unchecked
+    assert paged_attention(**args, check_values=False).shape == (4, 2, 12)
+    with pytest.raises(ValueError, match="q must be a floating point tensor"):
+        paged_attention(**_with(q=lambda a: a["q"].long()), check_values=False)
