@@ -168,6 +168,7 @@ class PagePool:
         """Decode attention of ``q [n, G, d]`` (one token, G query heads per row) over ``rows [n]``
         -> ``[n, G, d_v]`` (cost grows with the entries the rows hold, not with a padded maximum); with
         ``scores`` (``"probs"`` | ``"logits"``) also the per-entry scores ``[n, L]`` summed over G, with
-        ``return_lse`` the log-sum-exp ``[n, G]`` (:func:`kernels.paged.paged_attention`)."""
+        ``return_lse`` the log-sum-exp ``[n, G]`` (:func:`kernels.paged.paged_attention`; the pool's block table
+        and lengths are right by construction, so their values are not checked on the host every call)."""
         return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale,
-                               scores=scores, return_lse=return_lse)
+                               scores=scores, return_lse=return_lse, check_values=False)

@@ -80,6 +80,7 @@ def paged_attention(
     scale: float | None = None,
     scores: str | None = None,
     return_lse: bool = False,
+    check_values: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Decode attention of one query token per row over the row's paged KV cache.
 
@@ -96,6 +97,8 @@ def paged_attention(
             attention pass (for eviction policies such as H2O, TOVA, Keyformer).
         return_lse: also return the log-sum-exp of each query head's logits (LESS combines the sparse
             attention with its state by it).
+        check_values: also check the values of ``seq_lens`` and of the used ``block_table`` entries (a
+            read on the host each call); a caller that builds them itself (the engine's page pool) skips it.
 
     Returns:
         ``out [R, G, d_v]`` in q's dtype: ``softmax(q[r] K_r^T * scale) V_r`` over the row's
@@ -115,7 +118,7 @@ def paged_attention(
         ValueError: on bad inputs, including a ``scores`` other than None / "probs" / "logits".
     """
     check_scores(scores)
-    check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens)
+    check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens, check_values)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if scores is None and not return_lse and get_backend() == "auto" and flash_fits(q, k_pages):

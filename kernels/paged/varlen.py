@@ -1,12 +1,13 @@
 """Paged decode attention in plain tensor ops (any device; the path on CPU).
 
-Rows are sorted by the number of pages they use and cut into at most ``GROUPS`` groups of about
-equal size. Each group's pages are gathered into ``[rows, pages * page_size, d]`` (pages = the
-group's largest count) and attended with one batched matmul, masking each row's unused tail. The
-work is the tokens the rows hold plus the padding inside a group: it does not grow with the block
-table's width (the model's maximum length) nor, across groups, with the longest row of the batch (a
-DMC head that kept 10 slots is not padded to the 100 of another group). Few groups keep the Python
-loop short: a decode step of a small model on CPU is bound by per-call overhead.
+Rows are sorted by the number of pages they use and cut into at most ``GROUPS`` groups of about equal
+size, as many as pay for themselves (:func:`row_groups`). Each group's pages are gathered into
+``[rows, pages * page_size, d]`` (pages = the group's largest count) and attended with one batched
+matmul, masking each row's unused tail. The work is the tokens the rows hold plus the padding inside a
+group: it does not grow with the block table's width (the model's maximum length) nor, when padding
+costs more than a group, with the longest row of the batch (a DMC head that kept 10 slots is not padded
+to the 100 of another group). Few groups keep the Python loop short: a decode step of a small model on
+CPU is bound by per-call overhead.
 
 With ``scores`` the group's ``[rows, G, width]`` logits (or softmax probabilities) of that same
 matmul are summed over G into the rows of ``s [R, L]`` (``L = max(seq_lens)``).
@@ -19,6 +20,23 @@ import torch
 from ._checks import pack_outputs, work_dtype
 
 GROUPS = 4
+# What one more group costs, in bytes of padding it would have to save: its ~25 tensor calls take about as
+# long on CPU as gathering and attending over 1 MB of pages (a decode step of a small model is bound by calls)
+GROUP_COST_BYTES = 1 << 20
+
+
+def row_groups(used: torch.Tensor, page_bytes: int) -> tuple[torch.Tensor, ...]:
+    """Rows ``[R]`` cut into groups by pages used (ascending): the number of groups (<= ``GROUPS``) whose
+    padded pages plus ``GROUP_COST_BYTES`` per group cost least. One group when the rows use equal pages."""
+    order = used.argsort()
+    counts = used[order].tolist()
+    costs = []
+    for k in range(1, min(GROUPS, len(set(counts))) + 1):
+        size, extra = divmod(len(counts), k)  # tensor_split's parts: the first ``extra`` one row longer
+        ends = [i * size + min(i, extra) for i in range(1, k + 1)]
+        padded = sum((end - start) * counts[end - 1] for start, end in zip([0] + ends[:-1], ends))
+        costs.append(padded * page_bytes + k * GROUP_COST_BYTES)
+    return order.tensor_split(costs.index(min(costs)) + 1) if counts else ()
 
 
 def paged_attention_torch(
@@ -45,8 +63,8 @@ def paged_attention_torch(
     L = int(lens.max()) if R else 0
     s = torch.zeros(R, L, dtype=torch.float32, device=q.device) if scores is not None else None
     lse = torch.empty(R, G, dtype=torch.float32, device=q.device) if return_lse else None
-    distinct = int(torch.unique(used).numel())
-    for rows in used.argsort().tensor_split(min(GROUPS, distinct)) if R else ():
+    page_bytes = page_size * (d + dv) * k_pages.element_size()
+    for rows in row_groups(used, page_bytes):
         n_pages = int(used[rows].max())
         # [r, n_pages]; a shorter row's unused entries (-1 or stale) read any page, masked below
         pages = block_table[rows, :n_pages].long().clamp(min=0)

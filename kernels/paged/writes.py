@@ -34,18 +34,21 @@ def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, append
     """
     ring = open_k.shape[1]
     omega, k, v = omega.float(), k.float(), v.float()
-    fresh = rows[append]
-    open_k[fresh], open_v[fresh], open_w[fresh], open_tokens[fresh] = 0, 0, 0, 0
-    if ring == 1:  # exact: merges add to the running sums
-        open_k[rows, 0] += omega[:, None] * k
-        open_v[rows, 0] += omega[:, None] * v
-        open_w[rows, 0] += omega
+    if ring == 1:  # exact: a merge adds to the running sums, an append starts them (old sums times 0)
+        keep = (~append).float()
+        u_k = open_k[rows, 0] * keep[:, None] + omega[:, None] * k
+        u_v = open_v[rows, 0] * keep[:, None] + omega[:, None] * v
+        z = open_w[rows, 0] * keep + omega
+        open_k[rows, 0], open_v[rows, 0], open_w[rows, 0] = u_k, u_v, z
+        open_tokens[rows] = open_tokens[rows] * keep.long() + 1
+        z = z[:, None]
     else:  # window: the newest token replaces the oldest of the ring
+        fresh = rows[append]
+        open_k[fresh], open_v[fresh], open_w[fresh], open_tokens[fresh] = 0, 0, 0, 0
         slot = open_tokens[rows] % ring
         open_k[rows, slot] = omega[:, None] * k
         open_v[rows, slot] = omega[:, None] * v
         open_w[rows, slot] = omega
-    open_tokens[rows] += 1
-    z = open_w[rows].sum(-1, keepdim=True)
-    paged_write_torch(k_pages, v_pages, block_table, rows, seq_lens[rows].long() - 1,
-                      open_k[rows].sum(1) / z, open_v[rows].sum(1) / z)
+        open_tokens[rows] += 1
+        u_k, u_v, z = open_k[rows].sum(1), open_v[rows].sum(1), open_w[rows].sum(-1, keepdim=True)
+    paged_write_torch(k_pages, v_pages, block_table, rows, seq_lens[rows].long() - 1, u_k / z, u_v / z)

@@ -50,6 +50,33 @@ def test_matches_reference_float32(page_size, G):
     torch.testing.assert_close(out, reference_paged_attention(q, kp, vp, bt, lens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group_cost", [0, 1 << 20])
+def test_row_groups_pay_for_themselves(monkeypatch, group_cost):
+    """Free groups: rows of different page counts attend in several groups; at the real cost, small rows
+    attend in one. Both equal the reference."""
+    from kernels.paged import varlen
+
+    monkeypatch.setattr(varlen, "GROUP_COST_BYTES", group_cost)
+    lens = ragged_lens(16)
+    used = torch.tensor([math.ceil(n / 16) for n in lens])
+    groups = varlen.row_groups(used, page_bytes=16 * (8 + 12) * 4)
+    assert len(groups) == (varlen.GROUPS if group_cost == 0 else 1)
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(lens)))
+    q, kp, vp, bt, lens_t, _ = make_case(lens, seed=5)
+    torch.testing.assert_close(paged_attention(q, kp, vp, bt, lens_t), reference_paged_attention(q, kp, vp, bt, lens_t),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_row_groups_split_where_padding_costs_more():
+    """One long row among short ones: a second group saves more padding than it costs."""
+    from kernels.paged import varlen
+
+    used = torch.tensor([1] * 63 + [64])
+    page_bytes = 16 * 128 * 2 * 4  # head size 128, fp32: 63 short rows padded to 64 pages would gather 63 MB
+    assert len(varlen.row_groups(used, page_bytes)) > 1
+    assert len(varlen.row_groups(torch.full((64,), 3), page_bytes)) == 1
+
+
 def test_float64_scale_and_int32_indices():
     q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=2, dtype=torch.float64, seed=1)
     ref = reference_paged_attention(q, kp, vp, bt, lens, scale=0.7)
@@ -163,3 +190,12 @@ def test_invalid_inputs_raise(changes, match):
 def test_valid_args_of_the_error_cases():
     args = _args()
     torch.testing.assert_close(paged_attention(**args), reference_paged_attention(**args), rtol=1e-5, atol=1e-5)
+
+
+def test_check_values_off_skips_only_the_value_checks():
+    """A caller that builds its block table (the engine's pool) skips the host-side value checks; shapes and
+    dtypes are still checked."""
+    args = _with(seq_lens=lambda a: torch.tensor([17, 16, 40, 64]))  # row 0 reads its entry -1: unchecked
+    assert paged_attention(**args, check_values=False).shape == (4, 2, 12)
+    with pytest.raises(ValueError, match="q must be a floating point tensor"):
+        paged_attention(**_with(q=lambda a: a["q"].long()), check_values=False)
