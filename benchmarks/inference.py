@@ -66,7 +66,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CANDIDATES = [("base", "runs/base_tiny"), ("gqa2", "runs/gqa_tiny_g4"), ("gqa2", "runs/base_tiny_gqa4"),
               ("gqa4", "runs/gqa_tiny_g2"), ("gqa4", "runs/base_tiny_gqa2"),
               ("dmc2", "runs/dmc_tiny_cr2.0"), ("dmc4", "runs/dmc_tiny_cr4.0")]
-BUCKET = 64  # context bucket (tokens) of the latency curve
 
 
 def default_models() -> dict[str, str]:
@@ -125,29 +124,30 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
-def run_batch(engine, batch: list[list[int]], new_tokens: int, weights: int) -> dict:
+def run_batch(engine, batch: list[list[int]], new_tokens: int, weights: int, bucket: int = 64) -> dict:
     """Run ``batch`` to completion (all admitted at once when they fit). Returns decode ``tokens_per_s`` (in
-    the decode forwards), ``step_s`` (mean decode step), ``latency`` (step seconds by context bucket),
-    ``read_per_s`` (bytes a step reads: ``weights`` + KV held, over the step's time), ``wall_tokens_per_s``
-    (generated tokens / wall seconds, prefill included), ``outputs``, ``failed``."""
+    the decode forwards), ``step_s`` (mean decode step), ``latency`` (step seconds by context, in buckets of
+    ``bucket`` tokens), ``read_per_s`` (bytes a step reads: ``weights`` + KV held, over the step's time),
+    ``wall_tokens_per_s`` (generated tokens / seconds in ``engine.step()``, prefill included, this function's
+    bookkeeping not), ``outputs``, ``failed``."""
     from dmc_train.inference.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for p in batch:
         engine.add_request(p, params)
     latency: dict[int, list[float]] = {}
-    steps, read = [], 0
-    start = time.perf_counter()
+    steps, read, wall, context = [], 0, 0.0, 0
     while engine.has_work():
         before, held = engine.stats["decode_s"], kv_held(engine)
+        t0 = time.perf_counter()
         engine.step()
+        wall += time.perf_counter() - t0
         seconds = engine.stats["decode_s"] - before
         if seconds > 0:
             steps.append(seconds)
             read += weights + max(held, kv_held(engine))  # before the step: 0 at the first, after: 0 at the last
-            context = max((r.position for r in engine.running), default=0)
-            latency.setdefault(context // BUCKET * BUCKET, []).append(seconds)
-    wall = time.perf_counter() - start
+            context = max((r.position for r in engine.running), default=context + 1)  # none left after the last
+            latency.setdefault(context // bucket * bucket, []).append(seconds)
     outs = [engine.finished.pop(i) for i in sorted(engine.finished)]
     decoded = sum(len(o.tokens) - 1 for o in outs)  # the first token of each comes from the prefill
     return {"tokens_per_s": decoded / sum(steps), "step_s": sum(steps) / len(steps),
@@ -358,7 +358,7 @@ def timed_rounds(setups: dict, args) -> dict:
                 for key in ("tokens_per_s", "read_per_s", "wall_tokens_per_s", "failed"):
                     add(name, key, run[key])
             elif mode == "probe":
-                run = run_batch(s["probe"], s["probe_prompts"], new, s["weights"])
+                run = run_batch(s["probe"], s["probe_prompts"], new, s["weights"], max(16, args.context // 8))
                 add(name, "probe_step_s", run["step_s"])
                 add(name, "latency", run["latency"])
             else:
