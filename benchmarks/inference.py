@@ -245,8 +245,9 @@ def export_once(checkpoint: str, directory: str) -> None:
             if json.load(f).get("source_checkpoint") == os.path.abspath(find_checkpoint(checkpoint)):
                 return
     command = [sys.executable, "-m", "checkpoints_tools.export_hf", "--input", checkpoint, "--output", directory]
-    done = subprocess.run(command + ["--overwrite"] * os.path.exists(directory), cwd=ROOT, capture_output=True,
-                          text=True)
+    if os.path.exists(directory):  # another checkpoint's export: replaced
+        command.append("--overwrite")
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         raise RuntimeError(f"export failed: {lines[-1] if lines else f'exit code {done.returncode}'}")
