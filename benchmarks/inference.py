@@ -474,6 +474,8 @@ def plot(setups: dict, results: dict, args) -> None:
     c.set_ylabel("decode step (ms) = per-token latency")
     c.set_title(f"Per-token latency at batch {args.probe}")
     c.legend()
+    for axis in (a, b):
+        axis.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=120)
