@@ -49,8 +49,9 @@ def study_app(cfg) -> None:
             json.dump(speed, f, indent=1)
         args = [shlex.quote(a) for a in sys.argv[1:] if not a.startswith("cells=")]
         command = " ".join(["python launch/study.py", *args])
+        sections = study_report.controlled_sections(out, results) if cfg.preset == "full" else []
         markdown = study_report.write(results, out, speed, [command.strip()], cfg.preset, preset,
-                                      "docs" if cfg.docs else None)
+                                      "docs" if cfg.docs else None, sections)
         print(markdown)
         say(f"wrote {os.path.join(out, 'RESULTS.md')}")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from dmc_train.evaluation.study import Preset
+from dmc_train.evaluation.study import PRESETS, Preset, load_cells
 
 Say = Callable[[str], None]
 
@@ -111,6 +111,50 @@ def orderings(results: list[dict]) -> list[str]:
     return lines
 
 
+def dmc_vs_gqa(dmc_cost: list[dict], head128: list[dict], full: list[dict], pending: dict[str, list[str]]) -> list[str]:
+    """Why GQA beats DMC on the small base, from the controlled presets: (a) ``dmc_cost``, what giving up the
+    decision channel costs without merging (DMC at CR 1 against vanilla training continued with the same
+    tokens), set against DMC 2x's gap in ``full``; (b) ``head128``, DMC against GQA with Llama's head size."""
+    by = {r["name"]: r["ppl"] for r in dmc_cost}
+    lines = ["## Why GQA beats DMC here (controlled runs)", ""]
+    if {"continued", "dmc1"} <= set(by):
+        cost = by["dmc1"] - by["continued"]
+        lines.append(f"- (a) Preset `dmc_cost`: vanilla {by.get('vanilla', float('nan')):.2f}; vanilla trained on "
+                     f"with DMC's schedule and tokens {by['continued']:.2f}; DMC at CR 1 (the decision channel "
+                     f"taken from q and k, nothing merged) {by['dmc1']:.2f}. Giving up one of the head's channels "
+                     f"costs **{cost:+.2f}** ({cost / by['continued']:+.1%}).")
+        dmc2 = next((r["ppl"] for r in full if r["name"] == "dmc2"), None)
+        if dmc2 is not None:
+            gap = dmc2 - by["continued"]
+            lines.append(f"  DMC 2× ({dmc2:.2f}) is {gap:+.2f} from the continued vanilla model: the channel is "
+                         f"{cost / gap:.0%} of that gap, merging the rest ({dmc2 - by['dmc1']:+.2f}).")
+    else:
+        lines.append(f"- (a) Preset `dmc_cost`: not run yet ({', '.join(pending.get('dmc_cost', []))}).")
+    by128 = {r["name"]: r for r in head128}
+    checks = [(x, by128[f"dmc{x}"]["ppl"], by128[f"gqa{x}"]["ppl"]) for x in (2,)
+              if f"dmc{x}" in by128 and f"gqa{x}" in by128]
+    if head128:
+        lines.append("- (b) Preset `head128` (2 heads of 128 channels, as Llama's, trained like the base): "
+                     + "; ".join(f"{r['method']} ({r['name']}) {r['ppl']:.2f}" for r in head128) + ".")
+        for x, dmc, gqa in checks:
+            lines.append(f"  DMC {x}× at least as good as GQA {x}× with heads of 128: "
+                         f"**{'reproduced' if dmc <= gqa else 'not reproduced'}** (DMC {dmc:.2f}, GQA {gqa:.2f}).")
+    if pending.get("head128"):
+        lines.append(f"- (b) Preset `head128`: cells not run yet: {', '.join(pending['head128'])}.")
+    return lines + [""]
+
+
+def controlled_sections(out: str, results: list[dict]) -> list[str]:
+    """:func:`dmc_vs_gqa` from the ``dmc_cost`` and ``head128`` presets' outputs beside ``out``
+    (``runs/study_<preset>``, their default) and the ``full`` preset's ``results``."""
+    got, pending = {}, {}
+    for name in ("dmc_cost", "head128"):
+        cells = list(PRESETS[name].cells)
+        got[name] = load_cells(os.path.join(os.path.dirname(out), f"study_{name}"), cells)
+        pending[name] = [c.name for c in cells if c.name not in {r["name"] for r in got[name]}]
+    return dmc_vs_gqa(got["dmc_cost"], got["head128"], results, pending)
+
+
 def plot(results: list[dict], path: str) -> None:
     """Perplexity against KV bytes per token (the Pareto view): one marker per cell, one colour and marker per
     method. Cells more than 10 % above the vanilla cache are drawn at the top edge, labelled with their value,
@@ -179,8 +223,9 @@ def _cells(grid):
 
 
 def write(results: list[dict], out: str, speed: Optional[dict], commands: list[str], preset_name: str,
-          preset: Preset, docs_dir: Optional[str] = None) -> str:
-    """``<out>/RESULTS.md`` with its PNGs beside it (and the same in ``docs_dir``); returns the markdown."""
+          preset: Preset, docs_dir: Optional[str] = None, sections: Sequence[str] = ()) -> str:
+    """``<out>/RESULTS.md`` with its PNGs beside it (and the same in ``docs_dir``), ``sections`` (markdown
+    lines) at the end; returns the markdown."""
     seconds = sum(r.get("cell_seconds", 0) for r in results)
     pending = [c.name for c in preset.cells if c.name not in {r["name"] for r in results}]
     text = [f"# Every method at equal memory (study preset `{preset_name}`)", "",
@@ -194,7 +239,10 @@ def write(results: list[dict], out: str, speed: Optional[dict], commands: list[s
         text += ["![DMC compression per layer and head](study_dmc_heads.png)", ""]
     checks = orderings(results)
     if checks:
-        text += ["The papers' orderings, checked:", "", *checks, ""]
+        text += ["The papers' orderings, checked:", "", *checks, "",
+                 "LightCache against StreamingLLM past the trained length needs longer texts than these cells: "
+                 "`benchmarks/lightcache.py` (docs/BENCHMARKS.md, \"LightCache on base_tiny\").", ""]
+    text += list(sections)
     markdown = "\n".join(text)
     for folder in [out] + ([docs_dir] if docs_dir else []):
         os.makedirs(folder, exist_ok=True)

@@ -70,3 +70,18 @@ def test_table_and_the_papers_orderings():
                                         "h2o_1of4": {"tokens_per_s": 250.0, "batch": 15}}).splitlines()
     h2o = next(r for r in rows if "| h2o_1of4 |" in r)
     assert "| +3.00 |" in h2o and "| 0.400 |" in h2o and "| 15 | 2.50× |" in h2o
+
+
+def test_why_gqa_beats_dmc_is_stated_from_the_controlled_cells():
+    """(a) the decision channel's cost (DMC at CR 1 vs vanilla continued) as a share of DMC 2x's gap; (b) DMC
+    against GQA with heads of 128, and the cells still to run."""
+    dmc_cost = [_row("vanilla", "vanilla", 1.0, 60.0), _row("continued", "vanilla, continued", 1.0, 58.0),
+                _row("dmc1", "DMC at CR 1", 1.0, 60.0)]
+    head128 = [_row("vanilla", "vanilla", 1.0, 55.0), _row("gqa2", "GQA", 0.5, 57.0), _row("dmc2", "DMC", 0.5, 56.0)]
+    full = [_row("dmc2", "DMC", 0.5, 66.0)]
+    text = "\n".join(study_report.dmc_vs_gqa(dmc_cost, head128, full, {"head128": ["dmc4"]}))
+    assert "costs **+2.00** (+3.4%)" in text
+    assert "is +8.00 from the continued vanilla model: the channel is 25% of that gap, merging the rest (+6.00)" in text
+    assert "DMC 2× at least as good as GQA 2× with heads of 128: **reproduced** (DMC 56.00, GQA 57.00)" in text
+    assert "cells not run yet: dmc4" in text
+    assert "not run yet" in "\n".join(study_report.dmc_vs_gqa([], [], full, {"dmc_cost": ["continued", "dmc1"]}))
