@@ -123,6 +123,9 @@ def dmc_vs_gqa(dmc_cost: list[dict], head128: list[dict], full: list[dict], pend
                      f"with DMC's schedule and tokens {by['continued']:.2f}; DMC at CR 1 (the decision channel "
                      f"taken from q and k, nothing merged) {by['dmc1']:.2f}. Giving up one of the head's channels "
                      f"costs **{cost:+.2f}** ({cost / by['continued']:+.1%}).")
+        if "vanilla" in by:
+            lines.append(f"  The retrofit's training regime alone (vanilla continued against vanilla) costs "
+                         f"**{by['continued'] - by['vanilla']:+.2f}**.")
         dmc2 = next((r["ppl"] for r in full if r["name"] == "dmc2"), None)
         if dmc2 is not None:
             gap = dmc2 - by["continued"]
