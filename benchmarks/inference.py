@@ -106,7 +106,8 @@ def show(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
 def weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads: every layer, the final norm and the LM head (of the embedding,
     only the rows of the batch's tokens are read: not counted)."""
-    tensors = [t for layer in model.layers for t in layer.values()] + [model.final_norm, model.lm_head]
+    tensors = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    tensors += [model.final_norm, model.lm_head]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
