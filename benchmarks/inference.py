@@ -238,7 +238,7 @@ def paged_cost(rows: int, width: int, lengths: list[int], repeats: int = 5) -> l
 def export_once(checkpoint: str, directory: str) -> None:
     """Export ``checkpoint`` to ``directory`` with ``checkpoints_tools/export_hf.py`` unless a complete export of
     the same checkpoint is there (the exporter writes ``manifest.json`` last, renaming a finished directory)."""
-    from dmc_train.training.checkpointing import find_checkpoint
+    from dmc_train.training.checkpoint_dirs import find_checkpoint
 
     manifest = os.path.join(directory, "manifest.json")
     if os.path.exists(manifest):
