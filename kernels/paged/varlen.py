@@ -81,10 +81,9 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     used = (lens + page_size - 1) // page_size
     L = int(lens.max()) if R else 0
     n_max = -(-L // page_size)
-    if R and int(used.min()) == n_max:  # every row uses the same pages: one group, in order
+    parts = [None] if R and int(used.min()) == n_max else row_groups(used, page_bytes)
+    if len(parts) == 1:  # one group: its rows in order (no gather of q, no scatter of the outputs)
         parts = [None]
-    else:
-        parts = row_groups(used, page_bytes)
     groups = []
     for rows in parts:
         if rows is None:
