@@ -106,7 +106,8 @@ def show(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
 def weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads: every layer, the final norm and the LM head (of the embedding,
     only the rows of the batch's tokens are read: not counted)."""
-    tensors = [t for layer in model.layers for t in layer.values()] + [model.final_norm, model.lm_head]
+    tensors = [t for layer in model.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    tensors += [model.final_norm, model.lm_head]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -237,7 +238,7 @@ def paged_cost(rows: int, width: int, lengths: list[int], repeats: int = 5) -> l
 def export_once(checkpoint: str, directory: str) -> None:
     """Export ``checkpoint`` to ``directory`` with ``checkpoints_tools/export_hf.py`` unless a complete export of
     the same checkpoint is there (the exporter writes ``manifest.json`` last, renaming a finished directory)."""
-    from dmc_train.training.checkpointing import find_checkpoint
+    from dmc_train.training.checkpoint_dirs import find_checkpoint
 
     manifest = os.path.join(directory, "manifest.json")
     if os.path.exists(manifest):

@@ -323,7 +323,11 @@ class LlamaForInference:
             info = TokenInfo(info.positions[:, 0], alpha, omega, rotate=info.rotate)
             return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
 
-        return self._run(tokens[:, None], positions[:, None], attend, cache.rope_in_cache)[:, 0]
+        cache.begin_decode(seq_ids)
+        try:
+            return self._run(tokens[:, None], positions[:, None], attend, cache.rope_in_cache)[:, 0]
+        finally:
+            cache.end_decode()
 
     # -- checks -----------------------------------------------------------------------------------
     def check_tokens(self, tokens: torch.Tensor, bounded: bool = True) -> None:

@@ -15,11 +15,13 @@ All page arithmetic is here: :meth:`PagePool.for_budget` turns a byte budget int
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.units import parse_size
-from kernels.paged import paged_attention, paged_write
+from kernels.paged import DecodePlan, paged_attention, paged_attention_planned, paged_decode_plan, paged_write
 
 MIN_PAGE_SIZE = 16
 
@@ -131,18 +133,21 @@ class PagePool:
         Raises :class:`OutOfPages` (and changes nothing) when the free list is too short.
         """
         have, need = self.pages_for(self.seq_lens[rows]), self.pages_for(new_lens)
-        needed = int((need - have).clamp(min=0).sum())
-        if needed > len(self.free_pages):
-            raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
-        longest = int(new_lens.max()) if new_lens.numel() else 0
-        if longest > self.max_pages_per_row * self.page_size:
-            raise InferenceError(f"a row would hold {longest} entries, more than the model's "
-                                 f"{self.max_pages_per_row * self.page_size} positions")
-        if needed:
-            for r, a, b in zip(rows.tolist(), have.tolist(), need.tolist()):
-                if b > a:
-                    pages = [self.free_pages.pop() for _ in range(b - a)]
-                    self.block_table[r, a:b] = torch.tensor(pages, dtype=torch.int32)
+        extra = (need - have).clamp(min=0)
+        needed = int(extra.sum())
+        if needed:  # (a row can pass the model's positions only by needing a page)
+            if needed > len(self.free_pages):
+                raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
+            longest = int(new_lens.max())
+            if longest > self.max_pages_per_row * self.page_size:
+                raise InferenceError(f"a row would hold {longest} entries, more than the model's "
+                                     f"{self.max_pages_per_row * self.page_size} positions")
+            # the pages pop() would take, in row order: row r's new pages go to its entries have[r]..need[r]-1
+            pages = self.free_pages[: -needed - 1: -1]
+            del self.free_pages[-needed:]
+            first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
+            index = have.repeat_interleave(extra) + torch.arange(needed) - first
+            self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
             self.peak_pages = max(self.peak_pages, self.used_pages)
         self.seq_lens[rows] = new_lens.to(torch.int32)
 
@@ -156,6 +161,17 @@ class PagePool:
     def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k [n, d]``, ``v [n, d_v]`` at entry ``positions [n]`` of ``rows [n]`` (already allocated)."""
         paged_write(self.k_pages, self.v_pages, self.block_table, rows, positions, k, v)
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot ``page * page_size + offset`` of entry ``positions`` of ``rows`` (int64, broadcast shape),
+        for :meth:`write_slots`."""
+        page, offset = self.locate(rows, positions)
+        return page * self.page_size + offset
+
+    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """:meth:`write` at flat ``slots [n]`` (:meth:`slots`, computed once for several writes)."""
+        self.k_pages.view(-1, self.k_pages.shape[-1]).index_copy_(0, slots, k.to(self.dtype))
+        self.v_pages.view(-1, self.v_pages.shape[-1]).index_copy_(0, slots, v.to(self.dtype))
 
     def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All entries of one row: ``(k [len, d], v [len, d_v])`` (tests and inspection)."""
@@ -172,3 +188,18 @@ class PagePool:
         and lengths are right by construction, so their values are not checked on the host every call)."""
         return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale,
                                scores=scores, return_lse=return_lse, check_values=False)
+
+    def plan(self, rows: torch.Tensor, lens: Optional[torch.Tensor] = None) -> DecodePlan:
+        """What :meth:`attend_planned` over ``rows [..., n]`` needs beside q, computed once
+        (:func:`kernels.paged.paged_decode_plan`). ``lens [n]``: the rows' lengths (default ``seq_lens`` of
+        ``rows``, which must be 1-d then); with leading dims (e.g. ``[layers, n]``), the rows of every leading
+        index must hold ``lens``."""
+        if lens is None:
+            lens = self.seq_lens[rows]
+        return paged_decode_plan(self.block_table[rows], lens, self.page_size, self.page_bytes)
+
+    def attend_planned(self, plan: DecodePlan, q: torch.Tensor, scale: float, index: Optional[int] = None,
+                       scores: str | None = None, return_lse: bool = False):
+        """:meth:`attend` of ``q [n, G, d]`` over the rows of ``plan`` (its ``[index]`` with leading dims)."""
+        return paged_attention_planned(q, self.k_pages, self.v_pages, plan, scale, scores=scores,
+                                       return_lse=return_lse, index=index)

@@ -26,6 +26,10 @@ below, by :mod:`kernels.backend`: Triton for CUDA tensors, PyTorch elsewhere):
   ``L = max(seq_lens)`` (0 when R = 0); ``s[r, i]`` for entry i (the i-th token of row r, in
   block-table order) is the sum over the row's G query heads of the softmax weight ("probs": each row
   sums to G) or of the logit ``q[r, g] . k_i * scale`` ("logits"); entries ``i >= seq_lens[r]`` are 0.
+- :func:`paged_decode_plan` + :func:`paged_attention_planned`: the same decode attention in two parts for a
+  caller that attends many times over the same lengths (the engine: every layer of a decode step). The plan
+  (what depends on the block table and lengths only: row groups, page ids, tail masks; vLLM's attention
+  metadata) is built once, unvalidated (the caller built the table); a call only gathers and attends.
 - :func:`attention_column_sums`: the prefill counterpart, ``[b, H_kv, n]`` fp32: for causal attention
   over a prompt, how much softmax weight each key gets, summed over all queries and the G query heads
   of its KV head (optionally with temperature ``tau`` and additive noise, Keyformer's Gumbel scores).
@@ -54,10 +58,11 @@ from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores
 from .column_sums import attention_column_sums_torch
 from .flash import flash_fits, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
-from .varlen import paged_attention_torch
+from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_decode
 from .writes import dmc_cache_update_torch, paged_write_torch
 
-__all__ = ["attention_column_sums", "dmc_cache_update", "paged_attention", "paged_write",
+__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "paged_attention", "paged_attention_planned",
+           "paged_decode_plan", "paged_write",
            "reference_attention_column_sums", "reference_paged_attention"]
 
 
@@ -127,6 +132,31 @@ def paged_attention(
     if scores is None and not return_lse:
         return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale))
     return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores=scores, return_lse=return_lse)
+
+
+def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int) -> DecodePlan:
+    """The :class:`DecodePlan` of rows holding ``seq_lens [R]`` entries with block table ``[..., R, max_pages]``
+    (leading dims: e.g. the layers of a decode step whose rows hold equal lengths; a call picks one with
+    ``index``); ``page_bytes``: a K page plus a V page. Not validated: the caller builds the table (the
+    engine's pool). On a device where the Triton kernel runs, only the table and lengths are kept."""
+    if use_triton(seq_lens.device):
+        return DecodePlan(seq_lens.shape[0], -1, seq_lens, [], block_table)
+    return plan_decode(block_table, seq_lens, page_size, page_bytes)
+
+
+def paged_attention_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DecodePlan,
+                            scale: float, scores: str | None = None, return_lse: bool = False,
+                            index: int | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """:func:`paged_attention` of ``q [R, G, d]`` over the rows of ``plan`` (:func:`paged_decode_plan`; its
+    table's ``[index]`` when it has a leading dim): the same outputs. Only q's shape is checked."""
+    if q.dim() != 3 or q.shape[0] != plan.rows:
+        raise ValueError(f"q must be [R, G, d] with R = {plan.rows} rows of the plan, got {tuple(q.shape)}")
+    if use_triton(q.device) or (scores is None and not return_lse and get_backend() == "auto"
+                                and flash_fits(q, k_pages)):
+        table = plan.block_table if index is None else plan.block_table[index]
+        return paged_attention(q, k_pages, v_pages, table, plan.lens, scale, scores=scores, return_lse=return_lse,
+                               check_values=False)
+    return attend_planned(q, k_pages, v_pages, plan, float(scale), scores=scores, return_lse=return_lse, index=index)
 
 
 def attention_column_sums(

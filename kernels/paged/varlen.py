@@ -9,11 +9,19 @@ costs more than a group, with the longest row of the batch (a DMC head that kept
 to the 100 of another group). Few groups keep the Python loop short: a decode step of a small model on
 CPU is bound by per-call overhead.
 
+The groups, their page ids and tail masks depend on the block table and lengths only: :func:`plan_decode`
+computes them once (:class:`DecodePlan`, optionally for several layers' block tables at once) and
+:func:`attend_planned` gathers and attends; :func:`paged_attention_torch` is the two in a row. When every row
+uses the same pages (one group, rows in order) the outputs are the group's, with no scatter.
+
 With ``scores`` the group's ``[rows, G, width]`` logits (or softmax probabilities) of that same
 matmul are summed over G into the rows of ``s [R, L]`` (``L = max(seq_lens)``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -39,6 +47,106 @@ def row_groups(used: torch.Tensor, page_bytes: int) -> tuple[torch.Tensor, ...]:
     return order.tensor_split(costs.index(min(costs)) + 1) if counts else ()
 
 
+@dataclass
+class RowGroup:
+    """Rows attended together: ``rows [r]`` (their indices among the plan's R; None: all R, in order), the pages
+    they read ``pages [..., r, n_pages]`` int64 (a shorter row's unused entries clamped to page 0, masked), and
+    ``tail [r, 1, n_pages * page_size]`` bool: the slots past each row's last entry."""
+
+    rows: Optional[torch.Tensor]
+    pages: torch.Tensor
+    tail: torch.Tensor
+
+
+@dataclass
+class DecodePlan:
+    """What paged decode attention needs beside q and the pages' contents (vLLM's attention metadata): built
+    once from a block table and lengths, reused by every call on them. ``pages`` of each group may carry
+    leading dims (e.g. ``[layers, ...]``: several layers whose rows hold equal lengths share one plan, and a
+    call picks one with ``index``). ``max_len``: the longest row (the width of the scores); ``block_table``
+    and ``lens``: what the plan was built from."""
+
+    rows: int
+    max_len: int
+    lens: torch.Tensor
+    groups: list[RowGroup]
+    block_table: torch.Tensor
+
+
+def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int) -> DecodePlan:
+    """The :class:`DecodePlan` of rows with lengths ``seq_lens [R]`` and block table ``[..., R, max_pages]``
+    (``page_bytes``: bytes of a K page plus a V page, which sets the row groups: :func:`row_groups`)."""
+    lens = seq_lens.long()
+    R = lens.shape[0]
+    used = (lens + page_size - 1) // page_size
+    L = int(lens.max()) if R else 0
+    n_max = -(-L // page_size)
+    parts = [None] if R and int(used.min()) == n_max else row_groups(used, page_bytes)
+    if len(parts) == 1:  # one group: its rows in order (no gather of q, no scatter of the outputs)
+        parts = [None]
+    groups = []
+    for rows in parts:
+        if rows is None:
+            n_pages, pages, group_lens = n_max, block_table[..., :n_max], lens
+        else:
+            n_pages = int(used[rows].max())
+            pages, group_lens = block_table.index_select(-2, rows)[..., :n_pages], lens[rows]
+        tail = torch.arange(n_pages * page_size, device=lens.device) >= group_lens[:, None]  # past the last entry
+        groups.append(RowGroup(rows, pages.long().clamp(min=0), tail[:, None, :]))
+    return DecodePlan(R, L, lens, groups, block_table)
+
+
+def attend_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DecodePlan, scale: float,
+                   scores: str | None = None, return_lse: bool = False, index: int | None = None):
+    """:func:`paged_attention_torch` over a :class:`DecodePlan` (its groups' pages ``[index]`` when they have a
+    leading dim): the same outputs, without recomputing the plan."""
+    R, G, d = q.shape
+    dv = v_pages.shape[2]
+    wd, L = work_dtype(q), plan.max_len
+    one = len(plan.groups) == 1 and plan.groups[0].rows is None  # results need no scatter
+    out = None if one else torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
+    s = None if scores is None or one else torch.zeros(R, L, dtype=torch.float32, device=q.device)
+    lse = None if not return_lse or one else torch.empty(R, G, dtype=torch.float32, device=q.device)
+    for g in plan.groups:
+        pages = (g.pages if index is None else g.pages[index]).flatten()
+        r, width = g.tail.shape[0], g.tail.shape[2]
+        # index_select copies whole pages (memcpy); k_pages[pages] computes an offset per element, ~7x slower on CPU
+        k = k_pages.index_select(0, pages).view(r, width, d).to(wd)
+        v = v_pages.index_select(0, pages).view(r, width, dv).to(wd)
+        qg = q if g.rows is None else q[g.rows]
+        logits = (qg.to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
+        if scores == "logits":
+            part = logits.sum(1).masked_fill(g.tail[:, 0], 0.0)[:, :L].float()
+            if one:
+                s = part
+            else:
+                s[g.rows, : min(width, L)] = part
+        logits = logits.masked_fill(g.tail, float("-inf"))
+        if return_lse:
+            part = logits.logsumexp(-1).float()
+            if one:
+                lse = part
+            else:
+                lse[g.rows] = part
+        probs = torch.softmax(logits, dim=-1)
+        if scores == "probs":
+            part = probs.sum(1)[:, :L].float()  # the tail's probabilities are 0
+            if one:
+                s = part
+            else:
+                s[g.rows, : min(width, L)] = part
+        part = (probs @ v).to(q.dtype)
+        if one:
+            out = part
+        else:
+            out[g.rows] = part
+    if out is None:  # R = 0
+        out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
+        s = None if scores is None else torch.zeros(R, L, dtype=torch.float32, device=q.device)
+        lse = None if not return_lse else torch.empty(R, G, dtype=torch.float32, device=q.device)
+    return pack_outputs(out, s, lse)
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -54,34 +162,6 @@ def paged_attention_torch(
 
     Written for inference: it runs under autograd (plain tensor ops) but its gradients are not tested.
     """
-    R, G, d = q.shape
-    page_size, dv = k_pages.shape[1], v_pages.shape[2]
-    wd = work_dtype(q)
-    lens = seq_lens.long()
-    used = (lens + page_size - 1) // page_size
-    out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
-    L = int(lens.max()) if R else 0
-    s = torch.zeros(R, L, dtype=torch.float32, device=q.device) if scores is not None else None
-    lse = torch.empty(R, G, dtype=torch.float32, device=q.device) if return_lse else None
-    page_bytes = page_size * (d + dv) * k_pages.element_size()
-    for rows in row_groups(used, page_bytes):
-        n_pages = int(used[rows].max())
-        # [r, n_pages]; a shorter row's unused entries (-1 or stale) read any page, masked below
-        pages = block_table[rows, :n_pages].long().clamp(min=0)
-        width = n_pages * page_size
-        # index_select copies whole pages (memcpy); k_pages[pages] computes an offset per element, ~7x slower on CPU
-        k = k_pages.index_select(0, pages.flatten()).view(len(rows), width, d).to(wd)
-        v = v_pages.index_select(0, pages.flatten()).view(len(rows), width, dv).to(wd)
-        logits = (q[rows].to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
-        tail = torch.arange(width, device=q.device) >= lens[rows, None]  # past the row's last entry
-        if scores == "logits":
-            s[rows, : min(width, L)] = logits.sum(1).masked_fill(tail, 0.0)[:, :L].float()
-        logits = logits.masked_fill(tail[:, None, :], float("-inf"))
-        if return_lse:
-            lse[rows] = logits.logsumexp(-1).float()
-        probs = torch.softmax(logits, dim=-1)
-        if scores == "probs":
-            s[rows, : min(width, L)] = probs.sum(1)[:, :L].float()  # the tail's probabilities are 0
-        out[rows] = (probs @ v).to(q.dtype)
-    return pack_outputs(out, s, lse)
-
+    page_bytes = k_pages.shape[1] * (q.shape[2] + v_pages.shape[2]) * k_pages.element_size()
+    plan = plan_decode(block_table, seq_lens, k_pages.shape[1], page_bytes)
+    return attend_planned(q, k_pages, v_pages, plan, scale, scores=scores, return_lse=return_lse)

@@ -21,6 +21,11 @@ def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> N
     page_size = k_pages.shape[1]
     positions = positions.long()
     page = block_table[rows, positions // page_size].long()
+    if k_pages.is_contiguous() and v_pages.is_contiguous():  # one flat slot index, two row copies
+        slot = page * page_size + positions % page_size
+        k_pages.view(-1, k_pages.shape[2]).index_copy_(0, slot, k.to(k_pages.dtype))
+        v_pages.view(-1, v_pages.shape[2]).index_copy_(0, slot, v.to(v_pages.dtype))
+        return
     k_pages[page, positions % page_size] = k.to(k_pages.dtype)
     v_pages[page, positions % page_size] = v.to(v_pages.dtype)
 

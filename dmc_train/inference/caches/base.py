@@ -8,6 +8,10 @@ low-rank state). The model calls, per layer:
     out = cache.prefill_varlen(layer, seq_ids, q, k, v, info, lens)   # several new ones, packed without padding
     out = cache.decode(layer, seq_ids, q, k, v, info)     # one new token for each of B sequences
 
+and around a decode step's layers ``cache.begin_decode(seq_ids)`` / ``cache.end_decode()``: a cache may do there,
+once per step, what every layer's ``decode`` shares (the full cache grows all its rows and plans the paged
+attention once; ``decode`` without them works alike, per layer).
+
 Layouts: prefill ``q [1, H, n, d]``, ``k [1, H_kv, n, d]``, ``v [1, H_kv, n, d_v]`` -> ``[1, H, n, d_v]``;
 decode ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``; varlen prefill: the
 prompts of B sequences packed one after the other along the token axis, ``q [1, H, T, d]`` (``T = sum(lens)``),
@@ -99,6 +103,12 @@ class KVCache:
     def decode(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                info: TokenInfo) -> torch.Tensor:
         raise NotImplementedError
+
+    def begin_decode(self, seq_ids: list[int]) -> None:
+        """A decode step of ``seq_ids`` starts (its layers' :meth:`decode` calls follow, in order)."""
+
+    def end_decode(self) -> None:
+        """The decode step ended (or failed): drop what :meth:`begin_decode` prepared."""
 
     def prefill_varlen(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        info: TokenInfo, lens: list[int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ class FullCache(KVCache):
 
     name = "full"
     prefill_equals_decode = True
+    _step = None  # (seq_ids, slots [layers, B * H_kv], DecodePlan) of the decode step begun
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
         n = k.shape[2]
@@ -40,9 +41,27 @@ class FullCache(KVCache):
         return torch.cat([causal_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.scale)
                           for a, b in zip([0] + bounds[:-1], bounds)], dim=2)
 
+    def begin_decode(self, seq_ids):
+        """Every row of the batch grows by one entry: one ``grow`` for all layers, and the slots written and
+        the attention plan computed once (every layer's rows of a sequence hold its tokens: equal lengths)."""
+        rows = self.batch_rows(seq_ids).transpose(0, 1).flatten(1)  # [layers, B * H_kv]
+        lens = self.pool.seq_lens[rows[0]].long()
+        self.pool.grow(rows.flatten(), (lens + 1).repeat(self.num_layers))
+        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan(rows, lens + 1))
+
+    def end_decode(self):
+        self._step = None
+
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
+        b, h, d = q.shape
+        k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
+        step = self._step
+        if step is not None and step[0] == tuple(seq_ids):  # begin_decode grew the rows and planned
+            self.pool.write_slots(step[1][layer], k, v)
+            out = self.pool.attend_planned(step[2], q.view(len(k), h // self.num_kv_heads, d), self.scale, index=layer)
+            return out.view(b, h, -1)
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()
         self.pool.grow(rows, lens + 1)
-        self.pool.write(rows, lens, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+        self.pool.write(rows, lens, k, v)
         return self.attend_paged(rows.view(len(seq_ids), -1), q)
