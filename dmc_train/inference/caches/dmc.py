@@ -25,7 +25,6 @@ import torch
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
 from dmc_train.models.dmc_settings import DMCSettings
-from kernels.backend import use_triton
 from kernels.dmc import dmc_attention, partial_accumulation
 from kernels.paged import dmc_cache_update
 
@@ -58,15 +57,9 @@ class DMCCache(KVCache):
         self.settings = settings
         self.ring = settings.window if settings.accumulation == "window" else 1
         rows, d, dv = pool.block_table.shape[0], pool.k_pages.shape[-1], pool.v_pages.shape[-1]
-        # exact: one buffer [rows, 1, d + d_v + 1] (u_k, u_v, z side by side) that the decode step updates in a
-        # few calls on the torch path (_update_exact); open_k, open_v, open_w are views of it
-        self.packed = torch.zeros(rows, 1, d + dv + 1) if self.ring == 1 else None
-        if self.packed is not None:
-            self.open_k, self.open_v, self.open_w = self.packed[..., :d], self.packed[..., d:-1], self.packed[..., -1]
-        else:
-            self.open_k = torch.zeros(rows, self.ring, d)  # omega-weighted keys of the open segment (exact: their sum)
-            self.open_v = torch.zeros(rows, self.ring, dv)
-            self.open_w = torch.zeros(rows, self.ring)  # their omegas (exact: z)
+        self.open_k = torch.zeros(rows, self.ring, d)  # omega-weighted keys of the open segment (exact: their sum)
+        self.open_v = torch.zeros(rows, self.ring, dv)
+        self.open_w = torch.zeros(rows, self.ring)  # their omegas (exact: z)
         self.open_tokens = torch.zeros(rows, dtype=torch.long)  # tokens in the open segment
 
     def state_bytes(self, seq_id: int) -> int:
@@ -104,36 +97,16 @@ class DMCCache(KVCache):
         self.open_w.index_put_((rows[h], slot), w, accumulate=True)
         self.open_tokens[rows] = length
 
-    def _update_exact(self, rows, lens, append, omega, k, v) -> None:
-        """:func:`kernels.paged.dmc_cache_update` with exact accumulation on the packed state, in a few calls (the
-        same arithmetic: ``u = u * keep + omega * [k, v, 1]``, entry ``lens - 1`` of each row set to ``u / z``)."""
-        keep = (~append).float()[:, None]
-        omega, k, v = omega.float(), k.float(), v.float()
-        u = self.packed.index_select(0, rows)[:, 0] * keep + torch.cat([omega * k, omega * v, omega], 1)
-        self.packed.index_copy_(0, rows, u[:, None])
-        self.open_tokens[rows] = torch.where(append, 1, self.open_tokens[rows] + 1)
-        avg = u[:, :-1] / u[:, -1:]
-        d = k.shape[1]
-        self.pool.write_slots(self.pool.slots(rows, lens - 1), avg[:, :d], avg[:, d:])
-
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         rows = self.layer_rows(layer, seq_ids).flatten()
         append = info.alpha.reshape(-1) == 0
-        lens = self.pool.seq_lens[rows].long() + append  # after the step: the open slot is entry lens - 1
-        self.pool.grow(rows, lens)
-        k, v = k.reshape(len(rows), -1), v.reshape(len(rows), -1)
-        if self.packed is not None and not use_triton(k.device):
-            self._update_exact(rows, lens, append, info.omega.reshape(-1, 1), k, v)
-        else:
-            dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
-                             append, info.omega.reshape(-1), k, v, self.open_k, self.open_v, self.open_w,
-                             self.open_tokens)
+        self.pool.grow(rows, self.pool.seq_lens[rows].long() + append.long())
+        dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
+                         append, info.omega.reshape(-1), k.reshape(len(rows), -1), v.reshape(len(rows), -1),
+                         self.open_k, self.open_v, self.open_w, self.open_tokens)
         if info.rotate is not None:  # pre: the open slot's raw average, rotated at the current position
             z = self.open_w[rows].sum(-1, keepdim=True)
             positions = info.positions.repeat_interleave(self.num_kv_heads)
-            self.pool.write(rows, lens - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
+            self.pool.write(rows, self.pool.seq_lens[rows] - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
                             self.open_v[rows].sum(1) / z)
-        b, h, d = q.shape  # the rows of a layer hold different lengths: a plan per layer
-        out = self.pool.attend_planned(self.pool.plan(rows, lens), q.view(len(rows), h // self.num_kv_heads, d),
-                                       self.scale)
-        return out.view(b, h, -1)
+        return self.attend_paged(rows.view(len(seq_ids), -1), q)
