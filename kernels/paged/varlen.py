@@ -96,54 +96,42 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     return DecodePlan(R, L, lens, groups, block_table)
 
 
+def _attend_group(q, k_pages, v_pages, g: RowGroup, scale: float, max_len: int, scores, return_lse: bool, index):
+    """One group's ``(out [r, G, d_v], s [r, min(width, L)] or None, lse [r, G] or None)``."""
+    r, width = g.tail.shape[0], g.tail.shape[2]
+    d, dv, wd = q.shape[2], v_pages.shape[2], work_dtype(q)
+    pages = (g.pages if index is None else g.pages[index]).flatten()
+    # index_select copies whole pages (memcpy); k_pages[pages] computes an offset per element, ~7x slower on CPU
+    k = k_pages.index_select(0, pages).view(r, width, d).to(wd)
+    v = v_pages.index_select(0, pages).view(r, width, dv).to(wd)
+    logits = ((q if g.rows is None else q[g.rows]).to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
+    s = logits.sum(1).masked_fill(g.tail[:, 0], 0.0)[:, :max_len].float() if scores == "logits" else None
+    logits = logits.masked_fill(g.tail, float("-inf"))
+    lse = logits.logsumexp(-1).float() if return_lse else None
+    probs = torch.softmax(logits, dim=-1)
+    if scores == "probs":
+        s = probs.sum(1)[:, :max_len].float()  # the tail's probabilities are 0
+    return (probs @ v).to(q.dtype), s, lse
+
+
 def attend_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DecodePlan, scale: float,
                    scores: str | None = None, return_lse: bool = False, index: int | None = None):
     """:func:`paged_attention_torch` over a :class:`DecodePlan` (its groups' pages ``[index]`` when they have a
     leading dim): the same outputs, without recomputing the plan."""
-    R, G, d = q.shape
-    dv = v_pages.shape[2]
-    wd, L = work_dtype(q), plan.max_len
-    one = len(plan.groups) == 1 and plan.groups[0].rows is None  # results need no scatter
-    out = None if one else torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
-    s = None if scores is None or one else torch.zeros(R, L, dtype=torch.float32, device=q.device)
-    lse = None if not return_lse or one else torch.empty(R, G, dtype=torch.float32, device=q.device)
-    for g in plan.groups:
-        pages = (g.pages if index is None else g.pages[index]).flatten()
-        r, width = g.tail.shape[0], g.tail.shape[2]
-        # index_select copies whole pages (memcpy); k_pages[pages] computes an offset per element, ~7x slower on CPU
-        k = k_pages.index_select(0, pages).view(r, width, d).to(wd)
-        v = v_pages.index_select(0, pages).view(r, width, dv).to(wd)
-        qg = q if g.rows is None else q[g.rows]
-        logits = (qg.to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
-        if scores == "logits":
-            part = logits.sum(1).masked_fill(g.tail[:, 0], 0.0)[:, :L].float()
-            if one:
-                s = part
-            else:
-                s[g.rows, : min(width, L)] = part
-        logits = logits.masked_fill(g.tail, float("-inf"))
-        if return_lse:
-            part = logits.logsumexp(-1).float()
-            if one:
-                lse = part
-            else:
-                lse[g.rows] = part
-        probs = torch.softmax(logits, dim=-1)
-        if scores == "probs":
-            part = probs.sum(1)[:, :L].float()  # the tail's probabilities are 0
-            if one:
-                s = part
-            else:
-                s[g.rows, : min(width, L)] = part
-        part = (probs @ v).to(q.dtype)
-        if one:
-            out = part
-        else:
-            out[g.rows] = part
-    if out is None:  # R = 0
-        out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
-        s = None if scores is None else torch.zeros(R, L, dtype=torch.float32, device=q.device)
-        lse = None if not return_lse else torch.empty(R, G, dtype=torch.float32, device=q.device)
+    parts = [_attend_group(q, k_pages, v_pages, g, scale, plan.max_len, scores, return_lse, index)
+             for g in plan.groups]
+    if len(plan.groups) == 1 and plan.groups[0].rows is None:  # every row, in order: no scatter
+        return pack_outputs(*parts[0])
+    R, G, _ = q.shape
+    out = torch.empty(R, G, v_pages.shape[2], dtype=q.dtype, device=q.device)
+    s = torch.zeros(R, plan.max_len, dtype=torch.float32, device=q.device) if scores is not None else None
+    lse = torch.empty(R, G, dtype=torch.float32, device=q.device) if return_lse else None
+    for g, (out_g, s_g, lse_g) in zip(plan.groups, parts):
+        out[g.rows] = out_g
+        if s is not None:
+            s[g.rows, : s_g.shape[1]] = s_g
+        if lse is not None:
+            lse[g.rows] = lse_g
     return pack_outputs(out, s, lse)
 
 
