@@ -21,7 +21,14 @@ import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.units import parse_size
-from kernels.paged import DecodePlan, paged_attention, paged_attention_planned, paged_decode_plan, paged_write
+from kernels.paged import (
+    DecodePlan,
+    paged_attention,
+    paged_attention_planned,
+    paged_decode_plan,
+    paged_write,
+    write_slots_torch,
+)
 
 MIN_PAGE_SIZE = 16
 
@@ -170,8 +177,7 @@ class PagePool:
 
     def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """:meth:`write` at flat ``slots [n]`` (:meth:`slots`, computed once for several writes)."""
-        self.k_pages.view(-1, self.k_pages.shape[-1]).index_copy_(0, slots, k.to(self.dtype))
-        self.v_pages.view(-1, self.v_pages.shape[-1]).index_copy_(0, slots, v.to(self.dtype))
+        write_slots_torch(self.k_pages, self.v_pages, slots, k, v)
 
     def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All entries of one row: ``(k [len, d], v [len, d_v])`` (tests and inspection)."""

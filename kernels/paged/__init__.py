@@ -59,10 +59,10 @@ from .column_sums import attention_column_sums_torch
 from .flash import flash_fits, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
 from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_decode
-from .writes import dmc_cache_update_torch, paged_write_torch
+from .writes import dmc_cache_update_torch, paged_write_torch, write_slots_torch
 
 __all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "paged_attention", "paged_attention_planned",
-           "paged_decode_plan", "paged_write",
+           "paged_decode_plan", "paged_write", "write_slots_torch",
            "reference_attention_column_sums", "reference_paged_attention"]
 
 

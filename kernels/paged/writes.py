@@ -16,15 +16,20 @@ released inference).
 from __future__ import annotations
 
 
+def write_slots_torch(k_pages, v_pages, slots, k, v) -> None:
+    """``k [N, d]``, ``v [N, d_v]`` into flat slots ``page * page_size + offset`` ``[N]`` (int64) of contiguous
+    pages: two row copies."""
+    k_pages.view(-1, k_pages.shape[2]).index_copy_(0, slots, k.to(k_pages.dtype))
+    v_pages.view(-1, v_pages.shape[2]).index_copy_(0, slots, v.to(v_pages.dtype))
+
+
 def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> None:
     """``k [N, d]``, ``v [N, d_v]`` into entry ``positions [N]`` of ``rows [N]`` (pages already assigned)."""
     page_size = k_pages.shape[1]
     positions = positions.long()
     page = block_table[rows, positions // page_size].long()
-    if k_pages.is_contiguous() and v_pages.is_contiguous():  # one flat slot index, two row copies
-        slot = page * page_size + positions % page_size
-        k_pages.view(-1, k_pages.shape[2]).index_copy_(0, slot, k.to(k_pages.dtype))
-        v_pages.view(-1, v_pages.shape[2]).index_copy_(0, slot, v.to(v_pages.dtype))
+    if k_pages.is_contiguous() and v_pages.is_contiguous():
+        write_slots_torch(k_pages, v_pages, page * page_size + positions % page_size, k, v)
         return
     k_pages[page, positions % page_size] = k.to(k_pages.dtype)
     v_pages[page, positions % page_size] = v.to(v_pages.dtype)
