@@ -50,10 +50,11 @@ def test_training_lowers_every_layers_validation_mse_and_keeps_the_base(runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["parallel.tensor=2", "parallel.pipeline=2"])
-def test_tensor_and_pipeline_parallel_give_one_process_losses(runs, layout):
-    out = runs / layout.replace("=", "").replace(".", "_")
-    run([*TRAIN, *LESS, "train.max_steps=3", "train.eval_interval=0", f"checkpoint.init_from={runs / 'base'}", layout,
+@pytest.mark.parametrize("name, layout", [("tp2", ["parallel.tensor=2"]), ("pp2", ["parallel.pipeline=2"]),
+                                          ("dp2", [])])  # two processes and no split of the model: data parallel
+def test_tensor_pipeline_and_data_parallel_give_one_process_losses(runs, name, layout):
+    out = runs / name
+    run([*TRAIN, *LESS, "train.max_steps=3", "train.eval_interval=0", f"checkpoint.init_from={runs / 'base'}", *layout,
          f"run_dir={out}"], nproc=2)
     single = [m["less_mse_layers"] for m in metrics(runs / "less")][:3]
     parallel = [m["less_mse_layers"] for m in metrics(out)]
