@@ -23,6 +23,8 @@ from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.units import parse_size
 from kernels.paged import (
     DecodePlan,
+    one_group_pages,
+    one_group_plan,
     paged_attention,
     paged_attention_planned,
     paged_decode_plan,
@@ -158,6 +160,36 @@ class PagePool:
             self.peak_pages = max(self.peak_pages, self.used_pages)
         self.seq_lens[rows] = new_lens.to(torch.int32)
 
+    def reserve_next(self, rows: torch.Tensor) -> bool:
+        """Give each of ``rows [n]`` whose last page is full the page its next entry would take, its length
+        unchanged (a decode step whose rows grow by at most one entry each, decided later: DMC); :meth:`trim`
+        returns the pages left unused. Returns False (and changes nothing) when such a row already holds the
+        model's positions; raises :class:`OutOfPages` (changing nothing) when the free list is too short.
+        Between :meth:`reserve_next` and :meth:`trim` a row may hold one page past ``pages_for(seq_lens)``."""
+        lens = self.seq_lens[rows].long()
+        full = lens % self.page_size == 0
+        rows, index = rows[full], lens[full] // self.page_size
+        if not len(rows):
+            return True
+        if int(index.max()) >= self.max_pages_per_row:
+            return False
+        if len(rows) > len(self.free_pages):
+            raise OutOfPages(f"out of KV pages: {len(rows)} needed, {len(self.free_pages)} free of {self.num_pages}")
+        pages = self.free_pages[: -len(rows) - 1: -1]  # the pages pop() would take, in row order
+        del self.free_pages[-len(rows):]
+        self.block_table[rows, index] = torch.tensor(pages, dtype=torch.int32)
+        return True
+
+    def trim(self, rows: torch.Tensor) -> None:
+        """Return the pages of ``rows [n]`` past those their lengths need (:meth:`reserve_next`'s unused ones) to
+        the free list, then count the peak."""
+        table = self.block_table[rows]  # [n, max_pages]
+        past = torch.arange(table.shape[1], device=table.device) >= self.pages_for(self.seq_lens[rows])[:, None]
+        extra = past & (table >= 0)
+        self.free_pages.extend(table[extra].tolist())
+        self.block_table[rows] = table.masked_fill(past, -1)
+        self.peak_pages = max(self.peak_pages, self.used_pages)
+
     # -- reading and writing entries --------------------------------------------------------------
     def locate(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page, offset)`` of entry ``positions`` of ``rows`` (same shapes, broadcastable)."""
@@ -209,3 +241,14 @@ class PagePool:
         """:meth:`attend` of ``q [n, G, d]`` over the rows of ``plan`` (its ``[index]`` with leading dims)."""
         return paged_attention_planned(q, self.k_pages, self.v_pages, plan, scale, scores=scores,
                                        return_lse=return_lse, index=index)
+
+    def group_pages(self, rows: torch.Tensor, capacity: torch.Tensor) -> Optional[torch.Tensor]:
+        """Pages ``[..., n, pages]`` one attention group reads for ``rows [..., n]`` holding at most ``capacity
+        [..., n]`` entries each, lengths decided later (:func:`kernels.paged.one_group_pages`; e.g. every layer of
+        a DMC decode step); None when several groups would pay. :meth:`plan_group` plans the lengths held."""
+        return one_group_pages(self.block_table[rows], capacity, self.page_size, self.page_bytes)
+
+    def plan_group(self, pages: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor) -> DecodePlan:
+        """The :meth:`attend_planned` plan of ``rows [n]`` holding ``lens [n]`` entries in ``pages [n, pages]``
+        (:meth:`group_pages`, computed at a capacity ``>= lens``)."""
+        return one_group_plan(pages, lens, self.page_size, self.block_table[rows])

@@ -4,7 +4,8 @@
   policy's in-place overwrite of a victim).
 - :func:`dmc_cache_update_torch`: one DMC decode step per row (Algorithm 1): merge the new token into
   the open slot's running state or start a new one, then store the open slot's normalised state
-  ``u / z`` in its entry of the page.
+  ``u / z`` in its entry of the page. The state update itself is :func:`dmc_open_slot_step`, on the rows'
+  state gathered side by side (the DMC cache runs it on a decode step's own copy for every layer).
 
 Open-slot state per row (fp32): ``open_k [rows, ring, d]``, ``open_v [rows, ring, d_v]`` (omega-weighted
 keys / values), ``open_w [rows, ring]`` (their omegas), ``open_tokens [rows]`` (tokens in the open
@@ -14,6 +15,8 @@ released inference).
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def write_slots_torch(k_pages, v_pages, slots, k, v) -> None:
@@ -35,30 +38,41 @@ def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> N
     v_pages[page, positions % page_size] = v.to(v_pages.dtype)
 
 
+def dmc_open_slot_step(state, tokens, append, omega, kv):
+    """One Algorithm 1 step of the open slots of ``N`` rows, in place; returns their normalised state ``[N, D]``.
+
+    ``state [N, ring, D + 1]`` fp32: per ring slot the omega-weighted ``[k | v]`` (``D = d + d_v``) and its omega
+    last (the layout of ``open_k``, ``open_v``, ``open_w`` side by side); ``tokens [N]`` int64: tokens in the
+    open segment; ``append [N]`` bool (close the open slot, start a new one with this token); ``omega [N]``;
+    ``kv [N, D]`` the new token's ``[k | v]``. ``ring = 1`` (exact): a merge adds to the sums, an append starts
+    them; ``ring = w`` (window): the newest token replaces the oldest. Returns ``sum u / sum z`` over the ring.
+    """
+    ring = state.shape[1]
+    omega = omega.float()
+    new = torch.cat([kv.float(), torch.ones_like(omega)[:, None]], -1) * omega[:, None]  # [N, D + 1]
+    state.masked_fill_(append[:, None, None], 0)
+    tokens.masked_fill_(append, 0)
+    if ring == 1:
+        total = state[:, 0].add_(new)
+    else:
+        index = (tokens % ring)[:, None, None].expand(-1, 1, state.shape[2])
+        total = state.scatter_(1, index, new[:, None]).sum(1)
+    tokens.add_(1)
+    return total[:, :-1] / total[:, -1:]
+
+
 def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
                            open_k, open_v, open_w, open_tokens) -> None:
     """One token per row: ``rows [N]``, ``append [N]`` bool, ``omega [N]``, ``k [N, d]``, ``v [N, d_v]``.
 
     ``seq_lens`` are the rows' lengths *after* the step (the caller grew the appending rows by one and
-    gave them a page); the open slot is entry ``seq_lens[row] - 1``. Updates the state in place.
+    gave them a page); the open slot is entry ``seq_lens[row] - 1``. Updates the state in place
+    (:func:`dmc_open_slot_step` on the rows' state gathered side by side, then scattered back).
     """
-    ring = open_k.shape[1]
-    omega, k, v = omega.float(), k.float(), v.float()
-    if ring == 1:  # exact: a merge adds to the running sums, an append starts them (old sums times 0)
-        keep = (~append).float()
-        u_k = open_k[rows, 0] * keep[:, None] + omega[:, None] * k
-        u_v = open_v[rows, 0] * keep[:, None] + omega[:, None] * v
-        z = open_w[rows, 0] * keep + omega
-        open_k[rows, 0], open_v[rows, 0], open_w[rows, 0] = u_k, u_v, z
-        open_tokens[rows] = open_tokens[rows] * keep.long() + 1
-        z = z[:, None]
-    else:  # window: the newest token replaces the oldest of the ring
-        fresh = rows[append]
-        open_k[fresh], open_v[fresh], open_w[fresh], open_tokens[fresh] = 0, 0, 0, 0
-        slot = open_tokens[rows] % ring
-        open_k[rows, slot] = omega[:, None] * k
-        open_v[rows, slot] = omega[:, None] * v
-        open_w[rows, slot] = omega
-        open_tokens[rows] += 1
-        u_k, u_v, z = open_k[rows].sum(1), open_v[rows].sum(1), open_w[rows].sum(-1, keepdim=True)
-    paged_write_torch(k_pages, v_pages, block_table, rows, seq_lens[rows].long() - 1, u_k / z, u_v / z)
+    d = k.shape[1]
+    state = torch.cat([open_k[rows], open_v[rows], open_w[rows][..., None]], -1)
+    tokens = open_tokens[rows]
+    avg = dmc_open_slot_step(state, tokens, append, omega, torch.cat([k, v], -1))
+    open_k[rows], open_v[rows], open_w[rows] = state[..., :d], state[..., d:-1], state[..., -1]
+    open_tokens[rows] = tokens
+    paged_write_torch(k_pages, v_pages, block_table, rows, seq_lens[rows].long() - 1, avg[:, :d], avg[:, d:])

@@ -20,13 +20,17 @@ closed slots and the open slot's state are written — never token by token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
 from dmc_train.models.dmc_settings import DMCSettings
+from kernels.backend import use_triton
 from kernels.dmc import dmc_attention, partial_accumulation
-from kernels.paged import dmc_cache_update
+from kernels.paged import dmc_cache_update, dmc_open_slot_step
 
 
 def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo, settings: DMCSettings,
@@ -45,12 +49,32 @@ def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: 
     return out, k_t, v_t
 
 
+@dataclass
+class _DecodeStep:
+    """What :meth:`DMCCache.begin_decode` prepares for every layer of a decode step (``L`` layers, ``R = B H_kv``
+    rows per layer, sequence-major). ``rows [L, R]``; ``lens [L, R]`` int64: the rows' lengths, set by each
+    layer's ``decode`` to those after the step; ``slots [L, R, 2]``: the flat page slot of the open slot's entry
+    after a merge (entry ``len - 1``) and after an append (entry ``len``, on a reserved page when the last is
+    full); ``state [L, R, ring, d + d_v + 1]`` and ``tokens [L, R]``: the rows' open-slot state, side by side
+    (:func:`kernels.paged.dmc_open_slot_step`), written back by ``end_decode``; ``pages [L, R, n]``: what one
+    attention group reads at the step's most entries (None: each layer plans its own groups)."""
+
+    seq_ids: tuple
+    rows: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+    state: torch.Tensor
+    tokens: torch.Tensor
+    pages: Optional[torch.Tensor]
+
+
 class DMCCache(KVCache):
     """Algorithm 1 over the page pool (module docstring)."""
 
     name = "dmc"
     needs_decisions = True
     prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
+    _step: Optional[_DecodeStep] = None  # the decode step begun
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)
@@ -97,7 +121,63 @@ class DMCCache(KVCache):
         self.open_w.index_put_((rows[h], slot), w, accumulate=True)
         self.open_tokens[rows] = length
 
+    def begin_decode(self, seq_ids):
+        """Once per step for every layer (PyTorch path; the Triton kernels run per layer): each row whose last
+        page is full gets the page an append would take (:meth:`PagePool.reserve_next`; :meth:`end_decode`
+        returns the unused ones), the open slot's two possible entries are located, the open-slot state is
+        gathered, and the attention's pages are chosen at every row's most entries (length + 1). A layer's
+        :meth:`decode` then takes no page, reads nothing on the host but its plan's longest row, and writes one
+        entry per row."""
+        if use_triton(self.pool.k_pages.device):
+            return
+        rows = self.batch_rows(seq_ids).transpose(0, 1).reshape(self.num_layers, -1)  # [L, B * H_kv]
+        if not self.pool.reserve_next(rows.flatten()):  # a row at the model's positions: per-layer path
+            return
+        try:
+            lens = self.pool.seq_lens[rows].long()
+            slots = self.pool.slots(rows[..., None], torch.stack([lens - 1, lens], -1))
+            state = torch.cat([self.open_k[rows], self.open_v[rows], self.open_w[rows][..., None]], -1)
+            self._step = _DecodeStep(tuple(seq_ids), rows, lens, slots, state, self.open_tokens[rows],
+                                     self.pool.group_pages(rows, lens + 1))
+        except BaseException:
+            self.pool.trim(rows.flatten())
+            raise
+
+    def end_decode(self):
+        """Write the step's lengths and open-slot state back; return the reserved pages no row appended to."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        rows, d = step.rows, self.open_k.shape[-1]
+        self.pool.seq_lens[rows] = step.lens.to(torch.int32)
+        self.open_k[rows], self.open_v[rows], self.open_w[rows] = (step.state[..., :d], step.state[..., d:-1],
+                                                                   step.state[..., -1])
+        self.open_tokens[rows] = step.tokens
+        self.pool.trim(rows.flatten())
+
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
+        step = self._step
+        if step is None or step.seq_ids != tuple(seq_ids):
+            return self._decode_layer(layer, seq_ids, q, k, v, info)
+        b, h, d = q.shape
+        append = info.alpha.reshape(-1) == 0
+        lens = step.lens[layer].add_(append)
+        avg = dmc_open_slot_step(step.state[layer], step.tokens[layer], append, info.omega.reshape(-1),
+                                 torch.cat([k.reshape(len(append), -1), v.reshape(len(append), -1)], -1))
+        k_open = avg[:, : k.shape[-1]]
+        if info.rotate is not None:  # pre: the open slot's raw average, rotated at the current position
+            k_open = info.rotate(k_open, info.positions.repeat_interleave(self.num_kv_heads))
+        slots = step.slots[layer]
+        self.pool.write_slots(torch.where(append, slots[:, 1], slots[:, 0]), k_open, avg[:, k.shape[-1]:])
+        if step.pages is None:
+            plan = self.pool.plan(step.rows[layer], lens)
+        else:
+            plan = self.pool.plan_group(step.pages[layer], step.rows[layer], lens)
+        out = self.pool.attend_planned(plan, q.view(len(append), h // self.num_kv_heads, d), self.scale)
+        return out.view(b, h, -1)
+
+    def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo):
+        """:meth:`decode` of one layer without :meth:`begin_decode`: grow, update and attend (same results)."""
         rows = self.layer_rows(layer, seq_ids).flatten()
         append = info.alpha.reshape(-1) == 0
         self.pool.grow(rows, self.pool.seq_lens[rows].long() + append.long())
