@@ -38,25 +38,24 @@ def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> N
     v_pages[page, positions % page_size] = v.to(v_pages.dtype)
 
 
-def dmc_open_slot_step(state, tokens, append, omega, kv):
+def dmc_open_slot_step(state, tokens, append, omega, kv1):
     """One Algorithm 1 step of the open slots of ``N`` rows, in place; returns their normalised state ``[N, D]``.
 
     ``state [N, ring, D + 1]`` fp32: per ring slot the omega-weighted ``[k | v]`` (``D = d + d_v``) and its omega
     last (the layout of ``open_k``, ``open_v``, ``open_w`` side by side); ``tokens [N]`` int64: tokens in the
     open segment; ``append [N]`` bool (close the open slot, start a new one with this token); ``omega [N]``;
-    ``kv [N, D]`` the new token's ``[k | v]``. ``ring = 1`` (exact): a merge adds to the sums, an append starts
-    them; ``ring = w`` (window): the newest token replaces the oldest. Returns ``sum u / sum z`` over the ring.
+    ``kv1 [N, D + 1]``: the new token's ``[k | v | 1]``. ``ring = 1`` (exact): a merge adds to the sums, an
+    append starts them; ``ring = w`` (window): the newest token replaces the oldest. Returns ``sum u / sum z``
+    over the ring.
     """
-    ring = state.shape[1]
-    omega = omega.float()
-    new = torch.cat([kv.float(), torch.ones_like(omega)[:, None]], -1) * omega[:, None]  # [N, D + 1]
-    state.masked_fill_(append[:, None, None], 0)
+    n, ring, width = state.shape
+    new = kv1.float() * omega.float()[:, None]  # [N, D + 1]: omega k, omega v, omega
+    state.masked_fill_(append.view(n, 1, 1), 0)
     tokens.masked_fill_(append, 0)
     if ring == 1:
-        total = state[:, 0].add_(new)
+        total = state.view(n, width).add_(new)
     else:
-        index = (tokens % ring)[:, None, None].expand(-1, 1, state.shape[2])
-        total = state.scatter_(1, index, new[:, None]).sum(1)
+        total = state.scatter_(1, (tokens % ring).view(n, 1, 1).expand(n, 1, width), new[:, None]).sum(1)
     tokens.add_(1)
     return total[:, :-1] / total[:, -1:]
 
@@ -72,7 +71,7 @@ def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, append
     d = k.shape[1]
     state = torch.cat([open_k[rows], open_v[rows], open_w[rows][..., None]], -1)
     tokens = open_tokens[rows]
-    avg = dmc_open_slot_step(state, tokens, append, omega, torch.cat([k, v], -1))
+    avg = dmc_open_slot_step(state, tokens, append, omega, torch.cat([k, v, torch.ones_like(k[:, :1])], -1))
     open_k[rows], open_v[rows], open_w[rows] = state[..., :d], state[..., d:-1], state[..., -1]
     open_tokens[rows] = tokens
     paged_write_torch(k_pages, v_pages, block_table, rows, seq_lens[rows].long() - 1, avg[:, :d], avg[:, d:])

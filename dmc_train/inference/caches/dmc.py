@@ -53,19 +53,22 @@ def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: 
 class _DecodeStep:
     """What :meth:`DMCCache.begin_decode` prepares for every layer of a decode step (``L`` layers, ``R = B H_kv``
     rows per layer, sequence-major). ``rows [L, R]``; ``lens [L, R]`` int64: the rows' lengths, set by each
-    layer's ``decode`` to those after the step; ``slots [L, R, 2]``: the flat page slot of the open slot's entry
+    layer's ``decode`` to those after the step; ``state [L, R, ring, d + d_v + 1]`` and ``tokens [L, R]``: the
+    rows' open-slot state, side by side (:func:`kernels.paged.dmc_open_slot_step`), written back by
+    ``end_decode``; ``ones [B, H_kv, 1]``: the column that gives a token's omega in the state. ``layers``: per layer
+    ``(rows, lens, merge_slot, append_slot, state, tokens, pages)``, views of the above (no call per layer to
+    take them), where ``merge_slot`` / ``append_slot [R]`` are the flat page slots of the open slot's entry
     after a merge (entry ``len - 1``) and after an append (entry ``len``, on a reserved page when the last is
-    full); ``state [L, R, ring, d + d_v + 1]`` and ``tokens [L, R]``: the rows' open-slot state, side by side
-    (:func:`kernels.paged.dmc_open_slot_step`), written back by ``end_decode``; ``pages [L, R, n]``: what one
-    attention group reads at the step's most entries (None: each layer plans its own groups)."""
+    full), and ``pages [R, n]`` what one attention group reads at the step's most entries (None: the layer
+    plans its own groups)."""
 
     seq_ids: tuple
     rows: torch.Tensor
     lens: torch.Tensor
-    slots: torch.Tensor
     state: torch.Tensor
     tokens: torch.Tensor
-    pages: Optional[torch.Tensor]
+    ones: torch.Tensor
+    layers: list
 
 
 class DMCCache(KVCache):
@@ -137,8 +140,11 @@ class DMCCache(KVCache):
             lens = self.pool.seq_lens[rows].long()
             slots = self.pool.slots(rows[..., None], torch.stack([lens - 1, lens], -1))
             state = torch.cat([self.open_k[rows], self.open_v[rows], self.open_w[rows][..., None]], -1)
-            self._step = _DecodeStep(tuple(seq_ids), rows, lens, slots, state, self.open_tokens[rows],
-                                     self.pool.group_pages(rows, lens + 1))
+            tokens, pages = self.open_tokens[rows], self.pool.group_pages(rows, lens + 1)
+            views = [rows, lens, *slots.unbind(-1), state, tokens]
+            per_layer = zip(*(t.unbind() for t in views), [None] * len(rows) if pages is None else pages.unbind())
+            ones = torch.ones(len(seq_ids), self.num_kv_heads, 1, dtype=self.pool.dtype)
+            self._step = _DecodeStep(tuple(seq_ids), rows, lens, state, tokens, ones, list(per_layer))
         except BaseException:
             self.pool.trim(rows.flatten())
             raise
@@ -159,20 +165,17 @@ class DMCCache(KVCache):
         step = self._step
         if step is None or step.seq_ids != tuple(seq_ids):
             return self._decode_layer(layer, seq_ids, q, k, v, info)
+        rows, lens, merge_slot, append_slot, state, tokens, pages = step.layers[layer]
         b, h, d = q.shape
         append = info.alpha.reshape(-1) == 0
-        lens = step.lens[layer].add_(append)
-        avg = dmc_open_slot_step(step.state[layer], step.tokens[layer], append, info.omega.reshape(-1),
-                                 torch.cat([k.reshape(len(append), -1), v.reshape(len(append), -1)], -1))
-        k_open = avg[:, : k.shape[-1]]
+        lens.add_(append)
+        kv1 = torch.cat([k, v, step.ones], -1).view(len(append), -1)
+        avg = dmc_open_slot_step(state, tokens, append, info.omega.reshape(-1), kv1)
+        k_open, v_open = avg.split([d, avg.shape[1] - d], -1)
         if info.rotate is not None:  # pre: the open slot's raw average, rotated at the current position
             k_open = info.rotate(k_open, info.positions.repeat_interleave(self.num_kv_heads))
-        slots = step.slots[layer]
-        self.pool.write_slots(torch.where(append, slots[:, 1], slots[:, 0]), k_open, avg[:, k.shape[-1]:])
-        if step.pages is None:
-            plan = self.pool.plan(step.rows[layer], lens)
-        else:
-            plan = self.pool.plan_group(step.pages[layer], step.rows[layer], lens)
+        self.pool.write_slots(torch.where(append, append_slot, merge_slot), k_open, v_open)
+        plan = self.pool.plan(rows, lens) if pages is None else self.pool.plan_group(pages, rows, lens)
         out = self.pool.attend_planned(plan, q.view(len(append), h // self.num_kv_heads, d), self.scale)
         return out.view(b, h, -1)
 
