@@ -165,7 +165,8 @@ class PagePool:
         unchanged (a decode step whose rows grow by at most one entry each, decided later: DMC); :meth:`trim`
         returns the pages left unused. Returns False (and changes nothing) when such a row already holds the
         model's positions; raises :class:`OutOfPages` (changing nothing) when the free list is too short.
-        Between :meth:`reserve_next` and :meth:`trim` a row may hold one page past ``pages_for(seq_lens)``."""
+        Between :meth:`reserve_next` and :meth:`trim` a row may hold one page past ``pages_for(seq_lens)``: it
+        grows into it by its length alone (``seq_lens``, not :meth:`grow`, which would take another page)."""
         lens = self.seq_lens[rows].long()
         full = lens % self.page_size == 0
         rows, index = rows[full], lens[full] // self.page_size

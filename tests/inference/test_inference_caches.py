@@ -131,3 +131,46 @@ def test_pre_rope_order_rotates_accumulated_raw_keys(make_model):
         w = omega[0, a: b + 1, None]
         mean = (w * k[0, a: b + 1]).sum(0) / w.sum()
         torch.testing.assert_close(slots[i], pre.rope(mean, torch.tensor(b)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", DMC_VARIANTS)
+def test_dmc_decode_step_planned_once_equals_the_per_layer_path(make_model, variant):
+    """begin_decode (pages reserved, state gathered, attention pages chosen once per step for every layer) gives
+    the logits, pages, open-slot state and page accounting of each layer growing and attending alone (the
+    path without begin_decode, and the Triton kernels' path); rows cross page boundaries on the way."""
+    model = make_model(variant)
+    g = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (70, 41, 55)]
+    stepped, layered = new_cache(model), new_cache(model)
+    layered.begin_decode = lambda seq_ids: None
+    pages_held = []
+
+    def count_pages(cache):
+        original = cache.end_decode
+
+        def end_decode():
+            original()
+            rows = torch.cat([r.flatten() for r in cache.rows.values()])
+            pages_held.append((cache.pool.used_pages, cache.pool.pages_of(rows), cache.pool.peak_pages))
+
+        cache.end_decode = end_decode
+
+    count_pages(stepped)
+    got = teacher_forced_decode(model, stepped, sequences, prompt_lens=[3, 1, 9])
+    want = teacher_forced_decode(model, layered, sequences, prompt_lens=[3, 1, 9])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert all(used == held for used, held, _ in pages_held)  # no reserved page is left over after a step
+    assert stepped.pool.peak_pages == layered.pool.peak_pages and stepped.pool.used_pages == layered.pool.used_pages
+    for s in stepped.rows:
+        assert torch.equal(stepped.entries(s), layered.entries(s))
+        for a, b in zip(stepped.rows[s].flatten().tolist(), layered.rows[s].flatten().tolist()):
+            for x, y in zip(stepped.pool.read(a), layered.pool.read(b)):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+            for name in ("open_k", "open_v", "open_w"):
+                torch.testing.assert_close(getattr(stepped, name)[a], getattr(layered, name)[b], rtol=0, atol=1e-6)
+            assert stepped.open_tokens[a] == layered.open_tokens[b]
+    assert pages_held[-1][1] > pages_held[0][1]  # rows took pages during decode
+    for s in list(stepped.rows):
+        stepped.release(s)
+    assert sorted(stepped.pool.free_pages) == list(range(stepped.pool.num_pages))

@@ -67,3 +67,33 @@ def test_a_byte_budget_becomes_whole_pages_in_the_pool():
     with pytest.raises(InferenceError, match=f"kv_bytes=1500 holds 1 pages of {fp32} bytes, fewer than one page per "
                                              f"KV head per layer \\(2\\); raise it to at least {2 * fp32}"):
         PagePool.for_budget(1500, 16, 8, 4, 64, rows_per_seq=2)
+
+
+def test_a_reserved_next_page_is_returned_unless_the_row_grew_into_it():
+    """reserve_next gives a page only to rows whose last page is full; trim returns the ones left unused, and
+    the peak counts only pages that held entries."""
+    p = pool(num_pages=8, rows=3)
+    rows = p.new_rows(3)
+    p.grow(rows, torch.tensor([16, 5, 32]))  # full, not full, full: 1 + 1 + 2 pages
+    assert p.reserve_next(rows) and p.used_pages == 6 and len(p.free_pages) == 2
+    assert (p.block_table[rows[[0, 2]], torch.tensor([1, 2])] >= 0).all() and p.block_table[rows[1], 1] == -1
+    p.seq_lens[rows[0]] = 17  # row 0 grows into its reserved page (by its length alone), row 2 does not
+    p.trim(rows)
+    assert p.used_pages == 5 == p.pages_of(rows) and p.peak_pages == 5
+    assert p.block_table[rows[2], 2] == -1
+    p.free_rows(rows)
+    assert sorted(p.free_pages) == list(range(8))
+
+
+def test_reserving_changes_nothing_when_pages_or_positions_run_out():
+    p = pool(num_pages=2, rows=2, entries=32)
+    rows = p.new_rows(2)
+    p.grow(rows, torch.tensor([16, 16]))
+    before = (p.block_table.clone(), list(p.free_pages))
+    with pytest.raises(OutOfPages, match="out of KV pages: 2 needed, 0 free of 2"):
+        p.reserve_next(rows)
+    assert torch.equal(p.block_table, before[0]) and p.free_pages == before[1]
+    big = pool(num_pages=4, rows=1, entries=32)
+    row = big.new_rows(1)
+    big.grow(row, torch.tensor([32]))  # at the model's positions: no next page to reserve
+    assert not big.reserve_next(row) and big.used_pages == 2
