@@ -13,9 +13,12 @@ the pages each row keeps the open slot's exact running state in fp32:
 Decode (one token per sequence): hard decision ``alpha = 1`` merges into the open slot, ``0`` closes
 it and appends a new one. **RoPE order** ``pre`` (the authors' order): the keys arrive raw, the open
 slot's state stays raw and its page entry is its rotation at the current position; a closed slot
-keeps the rotation at its segment's last token. **Parallel prefill**: the decisions and the accumulation for the whole
-prompt in one pass (:func:`teacher_forced_dmc`, the chunked scan of ``kernels.dmc``), then only the
-closed slots and the open slot's state are written — never token by token.
+keeps the rotation at its segment's last token. **Once per decode step** (:meth:`DMCCache.begin_decode`, PyTorch
+path): the pages an append may take are reserved, the state gathered and the attention's pages chosen for every
+layer, so a layer takes no page and plans only its tail mask; :meth:`DMCCache.end_decode` writes back and
+returns the unused pages (same results as each layer alone). **Parallel prefill**: the decisions and the
+accumulation for the whole prompt in one pass (:func:`teacher_forced_dmc`, the chunked scan of
+``kernels.dmc``), then only the closed slots and the open slot's state are written — never token by token.
 """
 
 from __future__ import annotations
