@@ -196,10 +196,12 @@ def aggregate(priority: torch.Tensor, how: str, num_kv_heads: int) -> torch.Tens
 def victims(priority: torch.Tensor, entries: Entries, newest: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
     """Slot ``[N]`` of each row's victim: the lowest priority among valid entries outside the fixed part;
     ties go to the oldest position, so the result does not depend on the order of the slots."""
-    keep = protected(entries.positions, newest, sink, recent) | ~entries.valid
+    positions = entries.positions
+    # protected | ~valid, in fewer calls: an empty slot (position -1) is below any sink count >= 0
+    keep = (positions < sink) | (positions > (newest - recent)[:, None])
     ranked = priority.masked_fill(keep, float("inf"))
-    lowest = ranked == ranked.amin(-1, keepdim=True)
-    return entries.positions.masked_fill(~lowest, torch.iinfo(entries.positions.dtype).max).argmin(-1)
+    not_lowest = ranked != ranked.amin(-1, keepdim=True)
+    return positions.masked_fill(not_lowest, torch.iinfo(positions.dtype).max).argmin(-1)
 
 
 def select(priority: torch.Tensor, positions: torch.Tensor, keep: int, newest: torch.Tensor, sink: int,
@@ -213,20 +215,27 @@ def select(priority: torch.Tensor, positions: torch.Tensor, keep: int, newest: t
     return by_position.gather(-1, order[:, :keep]).sort(-1).values
 
 
+def victim_slots(scorer: Scorer, entries: Entries, q: torch.Tensor, step: Step, budget: int) -> torch.Tensor:
+    """Slot ``[N]`` each row would give up before token ``step.t`` is written (``q [N, G, d]`` the current
+    queries): the victim of the scorer's priority, aggregated as configured. Meaningful for full rows only."""
+    priority = aggregate(scorer.priority(entries, q, step), scorer.cfg.aggregate, step.num_kv_heads)
+    return victims(priority, entries, step.t, *scorer.fixed(budget))
+
+
 def choose_victims(scorer: Scorer, entries: Entries, q: torch.Tensor, step: Step, budget: int):
     """The decode schedule's eviction before token ``step.t`` is written: ``(full [N] bool, victim [N])``,
     the rows at their budget and the slot each would give up (``q [N, G, d]`` the current queries)."""
     full = entries.valid.sum(-1) >= budget
     if not bool(full.any()):
         return full, torch.zeros_like(step.t)
-    priority = aggregate(scorer.priority(entries, q, step), scorer.cfg.aggregate, step.num_kv_heads)
-    return full, victims(priority, entries, step.t, *scorer.fixed(budget))
+    return full, victim_slots(scorer, entries, q, step, budget)
 
 
 def insert(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> None:
     """Record token ``t [N]`` with keys ``k [N, d]`` in slot ``slot [N]`` of every row."""
-    every = torch.arange(len(slot))
-    entries.positions[every, slot] = t
-    entries.scores[every, slot] = scorer.new_scores(k)
+    index = slot[:, None]
+    entries.positions.scatter_(1, index, t[:, None].to(entries.positions.dtype))
+    entries.scores.scatter_(1, index, scorer.new_scores(k)[:, None])
     if entries.codes is not None:
-        entries.codes[every, slot] = scorer.codes(k)
+        codes = scorer.codes(k)  # [N, nbytes]
+        entries.codes.scatter_(1, index[:, :, None].expand(-1, 1, codes.shape[-1]), codes[:, None])
