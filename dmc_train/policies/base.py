@@ -195,10 +195,14 @@ def aggregate(priority: torch.Tensor, how: str, num_kv_heads: int) -> torch.Tens
 
 def victims(priority: torch.Tensor, entries: Entries, newest: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
     """Slot ``[N]`` of each row's victim: the lowest priority among valid entries outside the fixed part;
-    ties go to the oldest position, so the result does not depend on the order of the slots."""
+    ties go to the oldest position, so the result does not depend on the order of the slots. ``newest [N]``:
+    the incoming token (every entry is older)."""
     positions = entries.positions
-    # protected | ~valid, in fewer calls: an empty slot (position -1) is below any sink count >= 0
-    keep = (positions < sink) | (positions > (newest - recent)[:, None])
+    # protected | ~valid in fewer calls: an empty slot (position -1) is below any sink count >= 0, and no entry
+    # is newer than the incoming token (so without a recent window nothing more is protected)
+    keep = positions < sink
+    if recent:
+        keep |= positions > (newest - recent)[:, None]
     ranked = priority.masked_fill(keep, float("inf"))
     not_lowest = ranked != ranked.amin(-1, keepdim=True)
     return positions.masked_fill(not_lowest, torch.iinfo(positions.dtype).max).argmin(-1)

@@ -60,7 +60,9 @@ class LSHE(Scorer):
     def codes(self, x):
         bits = (x.float() @ self.projection.to(x.device).T >= 0).long()  # [..., bits]
         pad = (-bits.shape[-1]) % 8
-        bits = torch.nn.functional.pad(bits, (0, pad)).unflatten(-1, (-1, 8))
+        if pad:
+            bits = torch.nn.functional.pad(bits, (0, pad))
+        bits = bits.unflatten(-1, (-1, 8))
         return (bits * self.bit_weights.to(x.device)).sum(-1).to(torch.uint8)
 
     def prompt_scores(self, q, k, layer, elements: int = 1 << 22):

@@ -220,7 +220,7 @@ class EvictingCache(KVCache):
         entries = Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
         slot = step.lens
         if step.n_full:
-            victim = victim_slots(self.scorer, entries, q.reshape(n, -1, q.shape[-1]).float(), policy, self.budget)
+            victim = victim_slots(self.scorer, entries, q.reshape(n, -1, q.shape[-1]), policy, self.budget)
             slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
         flat = self.pool.slots(rows, slot)
         if self.wants_evicted and step.n_full:  # whole sequences are full (every KV head alike)
