@@ -8,7 +8,7 @@ Per (sequence, layer, KV head) row of the page pool, ``schedule=decode``:
   and only the kept entries are written, in position order;
 - **decode**: a row below its budget appends. A full row picks its victim (lowest priority outside
   the fixed part) and the new token's key and value overwrite the victim's page entry in place
-  (``pool.write``), so the row never holds more than ``budget`` entries and never takes another
+  (``pool.write_slots``), so the row never holds more than ``budget`` entries and never takes another
   page. The query then attends over the row, and the same attention pass returns what the scorer
   needs (probabilities or logits per entry, summed over the G query heads) to update its scores.
 
