@@ -41,7 +41,7 @@ def gumbel_noise(seed: int, layer: int, heads: torch.Tensor, query_pos: torch.Te
     tensors against each other; fp32."""
     h = _mix((seed * 1_000_003 + layer) & _MASK32)  # a Python int: no tensor calls
     for part in (heads, query_pos, key_pos):
-        h = _mix(h ^ (part.long() & _MASK32))
+        h = _mix(h ^ ((part if part.dtype == torch.int64 else part.long()) & _MASK32))
     u = (h.double() + 0.5) / 2.0**32
     return (-torch.log(-torch.log(u))).float()
 

@@ -43,14 +43,20 @@ class DecodeStep:
 
     Every row of a sequence holds the same number of entries in every layer and KV head (the prompt's kept
     entries, then one more per step until the budget), so the lengths, the rows at their budget and the
-    attention plan are the same for all layers. ``layers``: the layers the step covers (all, or the one layer
-    of a :meth:`~EvictingCache.decode` called without ``begin_decode``); ``rows [len(layers), N]`` (``N = B *
-    H_kv``, ordered [sequence, KV head]); ``lens [N]`` int64: entries before the step; ``full [N]`` bool: rows
-    at their budget, which overwrite a victim (the others append at ``lens``); ``n_full``: how many (host);
-    ``full_rows``: their indices ``[n_full]`` when only some are full; ``plan``: the attention plan over the
-    lengths after the step, for every layer of ``rows``; ``state``: the per-row state of ``rows``, gathered
-    once (name -> ``[len(layers), N, ...]``) and written back by :meth:`~EvictingCache.end_decode`; ``policy``:
-    the policy's :class:`Step` (built at the first layer, which brings the positions)."""
+    attention plan are the same for all layers.
+
+    - ``layers``: the layers the step covers (all, or the one layer of a :meth:`~EvictingCache.decode` called
+      without ``begin_decode``); ``rows [len(layers), N]`` (``N = B * H_kv``, ordered [sequence, KV head]);
+    - ``lens [N]`` int64: entries before the step; ``full [N]`` bool: rows at their budget, which overwrite a
+      victim (the others append at ``lens``); ``n_full``: how many (host); ``full_rows``: their indices
+      ``[n_full]`` when only some are full and the cache absorbs what it evicts (LESS);
+    - ``plan``: the attention plan over the lengths after the step, for every layer of ``rows``;
+    - ``state``: the per-row state of ``rows``, gathered once (name -> ``[len(layers), N, ...]``) and written
+      back by :meth:`~EvictingCache.end_decode`;
+    - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
+    - ``slots [len(layers), N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
+      slot, for every layer at once when the policy's priority does not read the query (else None: chosen
+      layer by layer)."""
 
     seq_ids: tuple
     layers: list[int]
@@ -62,6 +68,8 @@ class DecodeStep:
     plan: DecodePlan
     state: dict[str, torch.Tensor]
     policy: Optional[Step] = None
+    slots: Optional[torch.Tensor] = None
+    flat: Optional[torch.Tensor] = None
 
 
 class EvictingCache(KVCache):
@@ -174,12 +182,16 @@ class EvictingCache(KVCache):
         new_lens = lens + 1 if n_full == 0 else lens if n_full == len(lens) else lens + (~full).long()
         if n_full < len(lens):
             self.pool.grow(rows.flatten(), new_lens.repeat(len(layers)))
-        full_rows = full.nonzero()[:, 0] if 0 < n_full < len(lens) else None
+        full_rows = full.nonzero()[:, 0] if self.wants_evicted and 0 < n_full < len(lens) else None
         state = {name: t[rows] for name, t in self.row_state().items()}
         if "positions" in state:
             state["positions"] = state["positions"].long()
-        return DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows, self.pool.plan(rows, new_lens),
+        step = DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows, self.pool.plan(rows, new_lens),
                           state)
+        if n_full == 0:  # every row appends
+            step.slots = lens.expand(len(layers), -1)
+            step.flat = self.pool.slots(rows, step.slots)
+        return step
 
     def _finish(self, step: DecodeStep) -> None:
         """Write the step's per-row state back."""
@@ -187,13 +199,36 @@ class EvictingCache(KVCache):
             t[step.rows] = step.state[name].to(t.dtype)
 
     def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
-        """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step)."""
+        """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at
+        its first layer: then also every layer's victims, when the priority does not read the query)."""
         if step.policy is None:
             rows, hk = step.rows[0], self.num_kv_heads
             t = positions.long().repeat_interleave(hk)
             step.policy = Step(layer, torch.arange(hk).repeat(len(step.seq_ids)), t, t - self.prompt_len[rows].long(),
                                self.horizon[rows].long(), hk)
+            if step.slots is None and not self.scorer.query_priority:
+                self._choose_all(step)
         return dataclasses.replace(step.policy, layer=layer)
+
+    def _choose_all(self, step: DecodeStep) -> None:
+        """``step.slots`` and ``step.flat`` of every layer at once: one victim choice over the entries of every layer
+        ``[layers, N, L]`` (the priority reads the entries alone)."""
+        st = step.state
+        entries = Entries(st["positions"], st["scores"], st.get("codes"))
+        victim = victim_slots(self.scorer, entries, None, step.policy, self.budget)  # [layers, N]
+        step.slots = victim if step.n_full == len(step.lens) else torch.where(step.full, victim, step.lens)
+        step.flat = self.pool.slots(step.rows, step.slots)
+
+    def _choose(self, step: DecodeStep, index: int, entries: Entries, q: torch.Tensor,
+                policy: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entry ``[N]`` each row of layer ``step.layers[index]`` writes (its victim when full, else ``lens``) and
+        its flat page slot ``[N]``: chosen for every layer at once, or here with the layer's ``q [B, H, d]``."""
+        if step.slots is not None:
+            return step.slots[index], step.flat[index]
+        n = len(step.lens)
+        victim = victim_slots(self.scorer, entries, q.reshape(n, -1, q.shape[-1]), policy, self.budget)
+        slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
+        return slot, self.pool.slots(step.rows[index], slot)
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         step = self._step
@@ -210,19 +245,14 @@ class EvictingCache(KVCache):
         row's victim is chosen and overwritten in place, the others append; then attention and the scores."""
         b, n, hk = q.shape[0], step.rows.shape[1], self.num_kv_heads
         index = step.layers.index(layer)
-        rows = step.rows[index]
         k, v = k.reshape(n, -1), v.reshape(n, -1)
         if not self.evicting:  # prefill schedule: decoded tokens are appended
-            self.pool.write_slots(self.pool.slots(rows, step.lens), k, v)
+            self.pool.write_slots(step.flat[index], k, v)
             return self.attend(step, index, q, None)[0].view(b, -1, v.shape[-1])
         policy = self._policy_step(step, layer, info.positions)
         st = step.state
         entries = Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
-        slot = step.lens
-        if step.n_full:
-            victim = victim_slots(self.scorer, entries, q.reshape(n, -1, q.shape[-1]), policy, self.budget)
-            slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
-        flat = self.pool.slots(rows, slot)
+        slot, flat = self._choose(step, index, entries, q, policy)
         if self.wants_evicted and step.n_full:  # whole sequences are full (every KV head alike)
             gone = flat if step.full_rows is None else flat[step.full_rows]
             self.absorb(layer, {name: t[index] for name, t in step.state.items()}, step.full_rows,
