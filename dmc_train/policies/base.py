@@ -126,12 +126,15 @@ class Scorer:
 
     ``attention``: what the decode attention must return per kept entry for :meth:`update` (None,
     ``"probs"``: probabilities summed over the G query heads of the row, ``"logits"``: pre-softmax
-    logits summed over them). ``code_bits``: bits of a per-entry hash code (0: none).
+    logits summed over them). ``code_bits``: bits of a per-entry hash code (0: none). ``query_priority``:
+    :meth:`priority` reads the current query; when False it depends on the entries alone, so a caller may
+    choose the victims of several layers at once, before their queries exist (the engine's decode step).
     """
 
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = PolicyConfig
     attention: ClassVar[Optional[str]] = None
+    query_priority: ClassVar[bool] = False
     code_bits: int = 0
 
     def __init__(self, cfg: PolicyConfig, head_dim: int, group: int, scale: float):
@@ -185,21 +188,29 @@ def protected(positions: torch.Tensor, newest: torch.Tensor, sink: int, recent: 
 
 
 def aggregate(priority: torch.Tensor, how: str, num_kv_heads: int) -> torch.Tensor:
-    """``layer``: the mean over the KV heads of each (sequence, layer) (rows ordered [sequence, KV head])."""
+    """``layer``: the mean over the KV heads of each (sequence, layer) (rows ordered [sequence, KV head]);
+    ``priority [..., N, L]``."""
     if how == "kv_head" or num_kv_heads == 1:
         return priority
-    n, length = priority.shape
-    return priority.view(n // num_kv_heads, num_kv_heads, length).mean(1, keepdim=True).expand(
-        -1, num_kv_heads, -1).reshape(n, length)
+    *lead, n, length = priority.shape
+    return priority.view(*lead, n // num_kv_heads, num_kv_heads, length).mean(-2, keepdim=True).expand(
+        *lead, -1, num_kv_heads, -1).reshape(priority.shape)
 
 
 def victims(priority: torch.Tensor, entries: Entries, newest: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
     """Slot ``[N]`` of each row's victim: the lowest priority among valid entries outside the fixed part;
-    ties go to the oldest position, so the result does not depend on the order of the slots."""
-    keep = protected(entries.positions, newest, sink, recent) | ~entries.valid
+    ties go to the oldest position, so the result does not depend on the order of the slots. ``newest [N]``:
+    the incoming token (every entry is older). ``priority`` and the entries may have leading dims
+    (``[..., N, L]`` -> ``[..., N]``: e.g. the layers of a step)."""
+    positions = entries.positions
+    # protected | ~valid in fewer calls: an empty slot (position -1) is below any sink count >= 0, and no entry
+    # is newer than the incoming token (so without a recent window nothing more is protected)
+    keep = positions < sink
+    if recent:
+        keep |= positions > (newest - recent)[:, None]
     ranked = priority.masked_fill(keep, float("inf"))
-    lowest = ranked == ranked.amin(-1, keepdim=True)
-    return entries.positions.masked_fill(~lowest, torch.iinfo(entries.positions.dtype).max).argmin(-1)
+    not_lowest = ranked != ranked.amin(-1, keepdim=True)
+    return positions.masked_fill(not_lowest, torch.iinfo(positions.dtype).max).argmin(-1)
 
 
 def select(priority: torch.Tensor, positions: torch.Tensor, keep: int, newest: torch.Tensor, sink: int,
@@ -213,20 +224,29 @@ def select(priority: torch.Tensor, positions: torch.Tensor, keep: int, newest: t
     return by_position.gather(-1, order[:, :keep]).sort(-1).values
 
 
+def victim_slots(scorer: Scorer, entries: Entries, q: torch.Tensor, step: Step, budget: int) -> torch.Tensor:
+    """Slot ``[N]`` each row would give up before token ``step.t`` is written (``q [N, G, d]`` the current
+    queries): the victim of the scorer's priority, aggregated as configured. Meaningful for full rows only.
+    Without ``scorer.query_priority`` the entries may have leading dims (``[..., N, L]`` -> ``[..., N]``)."""
+    priority = aggregate(scorer.priority(entries, q, step), scorer.cfg.aggregate, step.num_kv_heads)
+    return victims(priority, entries, step.t, *scorer.fixed(budget))
+
+
 def choose_victims(scorer: Scorer, entries: Entries, q: torch.Tensor, step: Step, budget: int):
     """The decode schedule's eviction before token ``step.t`` is written: ``(full [N] bool, victim [N])``,
     the rows at their budget and the slot each would give up (``q [N, G, d]`` the current queries)."""
     full = entries.valid.sum(-1) >= budget
     if not bool(full.any()):
         return full, torch.zeros_like(step.t)
-    priority = aggregate(scorer.priority(entries, q, step), scorer.cfg.aggregate, step.num_kv_heads)
-    return full, victims(priority, entries, step.t, *scorer.fixed(budget))
+    return full, victim_slots(scorer, entries, q, step, budget)
 
 
 def insert(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> None:
     """Record token ``t [N]`` with keys ``k [N, d]`` in slot ``slot [N]`` of every row."""
-    every = torch.arange(len(slot))
-    entries.positions[every, slot] = t
-    entries.scores[every, slot] = scorer.new_scores(k)
+    index = slot[:, None]
+    t = t if t.dtype == entries.positions.dtype else t.to(entries.positions.dtype)
+    entries.positions.scatter_(1, index, t[:, None])
+    entries.scores.scatter_(1, index, scorer.new_scores(k)[:, None])
     if entries.codes is not None:
-        entries.codes[every, slot] = scorer.codes(k)
+        codes = scorer.codes(k)  # [N, nbytes]
+        entries.codes.scatter_(1, index[:, :, None].expand(-1, 1, codes.shape[-1]), codes[:, None])

@@ -28,8 +28,9 @@ TAU_SCHEDULES = ("paper", "code")
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (int64 arithmetic that never overflows)."""
+def _mix(x):
+    """A 32-bit integer hash of an int64 tensor or a Python int (int64 arithmetic that never overflows: both
+    give the same values)."""
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     return x ^ (x >> 16)
@@ -38,9 +39,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(seed: int, layer: int, heads: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
     """Gumbel(0, 1) noise for every (KV head, query position, key position), broadcasting the three int64
     tensors against each other; fp32."""
-    h = _mix(torch.tensor((seed * 1_000_003 + layer) & _MASK32, dtype=torch.int64))
+    h = _mix((seed * 1_000_003 + layer) & _MASK32)  # a Python int: no tensor calls
     for part in (heads, query_pos, key_pos):
-        h = _mix(h ^ (part.long() & _MASK32))
+        h = _mix(h ^ ((part if part.dtype == torch.int64 else part.long()) & _MASK32))
     u = (h.double() + 0.5) / 2.0**32
     return (-torch.log(-torch.log(u))).float()
 

@@ -24,9 +24,14 @@ from dmc_train.policies.base import PolicyConfig, Scorer
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
 
 
+def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (itself when it is there already: no call)."""
+    return t if t.device == device else t.to(device)
+
+
 def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Hamming distance of packed codes ``a [..., nbytes]`` and ``b [..., nbytes]`` (broadcast) -> ``[...]``."""
-    return _POPCOUNT.to(a.device)[(a ^ b).int()].sum(-1)
+    return on(_POPCOUNT, a.device)[(a ^ b).int()].sum(-1)
 
 
 @dataclass
@@ -46,22 +51,26 @@ class LSHEConfig(PolicyConfig):
 class LSHE(Scorer):
     name = "lsh_e"
     Config = LSHEConfig
+    query_priority = True
 
     def __init__(self, cfg, head_dim, group, scale):
         super().__init__(cfg, head_dim, group, scale)
         self.code_bits = cfg.bits
         gen = torch.Generator().manual_seed(cfg.seed)
         self.projection = torch.randn(cfg.bits, head_dim, generator=gen)  # R [bits, d]
-        self.bit_weights = 2 ** torch.arange(8)
+        self.bit_weights = (2 ** torch.arange(8)).to(torch.uint8)
 
     def fixed(self, budget):
         return self.cfg.n_sink, self.cfg.n_recent
 
     def codes(self, x):
-        bits = (x.float() @ self.projection.to(x.device).T >= 0).long()  # [..., bits]
+        x = x if x.dtype == torch.float32 else x.float()
+        bits = x @ on(self.projection, x.device).T >= 0  # [..., bits] bool
         pad = (-bits.shape[-1]) % 8
-        bits = torch.nn.functional.pad(bits, (0, pad)).unflatten(-1, (-1, 8))
-        return (bits * self.bit_weights.to(x.device)).sum(-1).to(torch.uint8)
+        if pad:
+            bits = torch.nn.functional.pad(bits, (0, pad))
+        bits = bits.unflatten(-1, (-1, 8))  # bit i of a byte weighs 2^i (bool * uint8: uint8, at most 255 a byte)
+        return (bits * on(self.bit_weights, x.device)).sum(-1, dtype=torch.uint8)
 
     def prompt_scores(self, q, k, layer, elements: int = 1 << 22):
         b, hk, n = k.shape[:3]

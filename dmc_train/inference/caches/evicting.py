@@ -8,7 +8,7 @@ Per (sequence, layer, KV head) row of the page pool, ``schedule=decode``:
   and only the kept entries are written, in position order;
 - **decode**: a row below its budget appends. A full row picks its victim (lowest priority outside
   the fixed part) and the new token's key and value overwrite the victim's page entry in place
-  (``pool.write``), so the row never holds more than ``budget`` entries and never takes another
+  (``pool.write_slots``), so the row never holds more than ``budget`` entries and never takes another
   page. The query then attends over the row, and the same attention pass returns what the scorer
   needs (probabilities or logits per entry, summed over the G query heads) to update its scores.
 
@@ -23,6 +23,8 @@ Subclasses that absorb what is evicted (LESS) override :meth:`absorb`.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,8 +32,44 @@ import torch
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.caches.full import causal_attention
 from dmc_train.inference.pool import PagePool
-from dmc_train.policies.base import Entries, Scorer, Step, choose_victims, insert
+from dmc_train.policies.base import Entries, Scorer, Step, insert, victim_slots
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
+from kernels.paged import DecodePlan
+
+
+@dataclass
+class DecodeStep:
+    """What the layers of one decode step share, computed once (:meth:`EvictingCache.begin_decode`).
+
+    Every row of a sequence holds the same number of entries in every layer and KV head (the prompt's kept
+    entries, then one more per step until the budget), so the lengths, the rows at their budget and the
+    attention plan are the same for all layers.
+
+    - ``layers``: the layers the step covers (all, or the one layer of a :meth:`~EvictingCache.decode` called
+      without ``begin_decode``); ``rows [len(layers), N]`` (``N = B * H_kv``, ordered [sequence, KV head]);
+    - ``lens [N]`` int64: entries before the step; ``full [N]`` bool: rows at their budget, which overwrite a
+      victim (the others append at ``lens``); ``n_full``: how many (host); ``full_rows``: their indices
+      ``[n_full]`` when only some are full and the cache absorbs what it evicts (LESS);
+    - ``plan``: the attention plan over the lengths after the step, for every layer of ``rows``;
+    - ``state``: the per-row state of ``rows``, gathered once (name -> ``[len(layers), N, ...]``) and written
+      back by :meth:`~EvictingCache.end_decode`;
+    - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
+    - ``slots [len(layers), N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
+      slot, for every layer at once when the policy's priority does not read the query (else None: chosen
+      layer by layer)."""
+
+    seq_ids: tuple
+    layers: list[int]
+    rows: torch.Tensor
+    lens: torch.Tensor
+    full: torch.Tensor
+    n_full: int
+    full_rows: Optional[torch.Tensor]
+    plan: DecodePlan
+    state: dict[str, torch.Tensor]
+    policy: Optional[Step] = None
+    slots: Optional[torch.Tensor] = None
+    flat: Optional[torch.Tensor] = None
 
 
 class EvictingCache(KVCache):
@@ -65,19 +103,32 @@ class EvictingCache(KVCache):
         return per_row * self.rows[seq_id].numel()
 
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
+    _step: Optional[DecodeStep] = None  # the decode step begun
 
-    def absorb(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Evicted pairs before they are overwritten (LESS): ``rows [b, H_kv]`` (whole sequences: every KV head
-        of a sequence evicts alike), ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]``."""
+    def row_state(self) -> dict[str, torch.Tensor]:
+        """The per-row state a decode step reads and updates (name -> ``[rows, ...]``, an attribute of the cache)."""
+        if not self.evicting:
+            return {}
+        state = {"positions": self.positions, "scores": self.scores}
+        if self.scorer.code_bits:
+            state["codes"] = self.codes
+        return state
 
-    def attend(self, layer: int, rows: torch.Tensor, q: torch.Tensor, scores: Optional[str]):
-        """Paged attention of ``q [B, H, d]`` over ``rows [B * H_kv]``: ``(out [B * H_kv, G, d_v], per-entry
-        scores [B * H_kv, L] or None)``."""
+    def absorb(self, layer: int, state: dict[str, torch.Tensor], where: Optional[torch.Tensor], k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        """Evicted pairs before they are overwritten (LESS): ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]`` of whole
+        sequences (every KV head of a sequence evicts alike), into rows ``where [b * H_kv]`` of ``state`` (the
+        per-row state, :meth:`row_state`: the cache's own tensors, or a decode step's gathered ones; ``where``
+        None: all of its rows, in order)."""
+
+    def attend(self, step: DecodeStep, index: int, q: torch.Tensor, scores: Optional[str]):
+        """Paged attention of ``q [B, H, d]`` over the rows of layer ``step.layers[index]``: ``(out [B * H_kv,
+        G, d_v], per-entry scores [B * H_kv, L] or None)``."""
         b, h, d = q.shape
         q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
         if scores is None:
-            return self.pool.attend(rows, q, self.scale), None
-        return self.pool.attend(rows, q, self.scale, scores=scores)
+            return self.pool.attend_planned(step.plan, q, self.scale, index=index), None
+        return self.pool.attend_planned(step.plan, q, self.scale, index=index, scores=scores)
 
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
@@ -92,7 +143,8 @@ class EvictingCache(KVCache):
             dropped = torch.ones(h, p, dtype=torch.bool)
             dropped[heads, kept] = False
             hh, jj = dropped.nonzero(as_tuple=True)
-            self.absorb(layer, rows[None], k[0, hh, jj].view(1, h, p - keep, -1), v[0, hh, jj].view(1, h, p - keep, -1))
+            self.absorb(layer, self.row_state(), rows, k[0, hh, jj].view(1, h, p - keep, -1),
+                        v[0, hh, jj].view(1, h, p - keep, -1))
         self.pool.grow(rows, torch.full_like(rows, keep))
         slots = torch.arange(keep).repeat(h)
         self.pool.write(rows.repeat_interleave(keep), slots, k[0, heads, kept].reshape(h * keep, -1),
@@ -105,38 +157,113 @@ class EvictingCache(KVCache):
                 self.codes[rows, :keep] = self.scorer.codes(k[0, heads, kept])
         return out
 
+    def begin_decode(self, seq_ids):
+        """Once for all layers: the rows below their budget (every row, with the prefill schedule) grow by one
+        entry, the attention plan is built, and the per-row state is gathered (:class:`DecodeStep`)."""
+        self._step = self._prepare(seq_ids, list(range(self.num_layers)))
+
+    def end_decode(self):
+        """Write back the per-row state the step updated (also after a failure: what the layers that ran
+        changed, as a per-layer write would have)."""
+        step, self._step = self._step, None
+        if step is not None:
+            self._finish(step)
+
+    def _prepare(self, seq_ids: list[int], layers: list[int]) -> DecodeStep:
+        """The :class:`DecodeStep` of ``layers`` for ``seq_ids``: grows their rows (one ``grow``), plans the
+        attention, gathers the state."""
+        rows = self.batch_rows(seq_ids)[:, layers].transpose(0, 1).flatten(1)  # [layers, B * H_kv]
+        lens = self.pool.seq_lens[rows[0]].long()
+        if self.evicting:
+            full = lens >= self.budget
+            n_full = int(full.sum())
+        else:  # the prefill schedule appends every decoded token
+            full, n_full = torch.zeros_like(lens, dtype=torch.bool), 0
+        new_lens = lens + 1 if n_full == 0 else lens if n_full == len(lens) else lens + (~full).long()
+        if n_full < len(lens):
+            self.pool.grow(rows.flatten(), new_lens.repeat(len(layers)))
+        full_rows = full.nonzero()[:, 0] if self.wants_evicted and 0 < n_full < len(lens) else None
+        state = {name: t[rows] for name, t in self.row_state().items()}
+        if "positions" in state:
+            state["positions"] = state["positions"].long()
+        step = DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows, self.pool.plan(rows, new_lens),
+                          state)
+        if n_full == 0:  # every row appends
+            step.slots = lens.expand(len(layers), -1)
+            step.flat = self.pool.slots(rows, step.slots)
+        return step
+
+    def _finish(self, step: DecodeStep) -> None:
+        """Write the step's per-row state back."""
+        for name, t in self.row_state().items():
+            t[step.rows] = step.state[name].to(t.dtype)
+
+    def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
+        """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at
+        its first layer: then also every layer's victims, when the priority does not read the query)."""
+        if step.policy is None:
+            rows, hk = step.rows[0], self.num_kv_heads
+            t = positions.long().repeat_interleave(hk)
+            step.policy = Step(layer, torch.arange(hk).repeat(len(step.seq_ids)), t, t - self.prompt_len[rows].long(),
+                               self.horizon[rows].long(), hk)
+            if step.slots is None and not self.scorer.query_priority:
+                self._choose_all(step)
+        return dataclasses.replace(step.policy, layer=layer)
+
+    def _choose_all(self, step: DecodeStep) -> None:
+        """``step.slots`` and ``step.flat`` of every layer at once: one victim choice over the entries of every layer
+        ``[layers, N, L]`` (the priority reads the entries alone)."""
+        st = step.state
+        entries = Entries(st["positions"], st["scores"], st.get("codes"))
+        victim = victim_slots(self.scorer, entries, None, step.policy, self.budget)  # [layers, N]
+        step.slots = victim if step.n_full == len(step.lens) else torch.where(step.full, victim, step.lens)
+        step.flat = self.pool.slots(step.rows, step.slots)
+
+    def _choose(self, step: DecodeStep, index: int, entries: Entries, q: torch.Tensor,
+                policy: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entry ``[N]`` each row of layer ``step.layers[index]`` writes (its victim when full, else ``lens``) and
+        its flat page slot ``[N]``: chosen for every layer at once, or here with the layer's ``q [B, H, d]``."""
+        if step.slots is not None:
+            return step.slots[index], step.flat[index]
+        n = len(step.lens)
+        victim = victim_slots(self.scorer, entries, q.reshape(n, -1, q.shape[-1]), policy, self.budget)
+        slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
+        return slot, self.pool.slots(step.rows[index], slot)
+
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
-        b, hk = len(seq_ids), self.num_kv_heads
-        rows = self.layer_rows(layer, seq_ids).flatten()
-        n = len(rows)
+        step = self._step
+        if step is not None and step.seq_ids == tuple(seq_ids):  # begin_decode grew the rows, planned, gathered
+            return self._decode_layer(step, layer, q, k, v, info)
+        step = self._prepare(seq_ids, [layer])
+        try:
+            return self._decode_layer(step, layer, q, k, v, info)
+        finally:
+            self._finish(step)
+
+    def _decode_layer(self, step: DecodeStep, layer: int, q, k, v, info: TokenInfo) -> torch.Tensor:
+        """One layer of the step: ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``. A full
+        row's victim is chosen and overwritten in place, the others append; then attention and the scores."""
+        b, n, hk = q.shape[0], step.rows.shape[1], self.num_kv_heads
+        index = step.layers.index(layer)
         k, v = k.reshape(n, -1), v.reshape(n, -1)
-        lens = self.pool.seq_lens[rows].long()
         if not self.evicting:  # prefill schedule: decoded tokens are appended
-            self.pool.grow(rows, lens + 1)
-            self.pool.write(rows, lens, k, v)
-            return self.attend(layer, rows, q, None)[0].view(b, -1, v.shape[-1])
-        t = info.positions.repeat_interleave(hk)
-        step = Step(layer, torch.arange(hk).repeat(b), t, t - self.prompt_len[rows].long(),
-                    self.horizon[rows].long(), hk)
-        entries = Entries(self.positions[rows].long(), self.scores[rows],
-                          self.codes[rows] if self.scorer.code_bits else None)
-        full, victim = choose_victims(self.scorer, entries, q.reshape(n, -1, q.shape[-1]).float(), step, self.budget)
-        slot = torch.where(full, victim, lens)
-        if self.wants_evicted and bool(full.any()):  # whole sequences are full (every KV head alike)
-            r = full.nonzero()[:, 0]
-            page, offset = self.pool.locate(rows[r], victim[r])
-            self.absorb(layer, rows[r].view(-1, hk), self.pool.k_pages[page, offset].view(-1, hk, 1, k.shape[-1]),
-                        self.pool.v_pages[page, offset].view(-1, hk, 1, v.shape[-1]))
-        self.pool.grow(rows, lens + (~full).long())
-        self.pool.write(rows, slot, k, v)
-        insert(self.scorer, entries, slot, k, t)
-        out, attention = self.attend(layer, rows, q, self.scorer.attention)
-        if attention is not None:
+            self.pool.write_slots(step.flat[index], k, v)
+            return self.attend(step, index, q, None)[0].view(b, -1, v.shape[-1])
+        policy = self._policy_step(step, layer, info.positions)
+        st = step.state
+        entries = Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
+        slot, flat = self._choose(step, index, entries, q, policy)
+        if self.wants_evicted and step.n_full:  # whole sequences are full (every KV head alike)
+            gone = flat if step.full_rows is None else flat[step.full_rows]
+            self.absorb(layer, {name: t[index] for name, t in step.state.items()}, step.full_rows,
+                        self.pool.k_pages.view(-1, k.shape[-1]).index_select(0, gone).view(-1, hk, 1, k.shape[-1]),
+                        self.pool.v_pages.view(-1, v.shape[-1]).index_select(0, gone).view(-1, hk, 1, v.shape[-1]))
+        self.pool.write_slots(flat, k, v)
+        insert(self.scorer, entries, slot, k, policy.t)
+        out, attention = self.attend(step, index, q, self.scorer.attention)
+        if attention is not None and attention.shape[1] < self.budget:
             attention = torch.nn.functional.pad(attention, (0, self.budget - attention.shape[1]))
-        self.scorer.update(entries, attention, step)
-        self.positions[rows], self.scores[rows] = entries.positions.int(), entries.scores
-        if entries.codes is not None:
-            self.codes[rows] = entries.codes
+        self.scorer.update(entries, attention, policy)
         return out.view(b, -1, out.shape[-1])
 
     def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:

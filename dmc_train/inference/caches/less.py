@@ -76,20 +76,31 @@ class LESSCache(EvictingCache):
     def state_bytes(self, seq_id: int) -> int:
         return super().state_bytes(seq_id) + (self.H[0].nbytes + self.z[0].nbytes) * self.rows[seq_id].numel()
 
-    def absorb(self, layer, rows, k, v) -> None:
-        """``rows [b, H_kv]``, the evicted ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]``: into ``H`` and ``z``."""
-        features = phi_k(k, self.weights.layers[layer])  # [b, H_kv, m, rank]
-        rows = rows.flatten()
-        self.H[rows] += torch.einsum("bhmr,bhmd->bhrd", features, v.float()).flatten(0, 1)
-        self.z[rows] += features.sum(2).flatten(0, 1)
+    def row_state(self) -> dict[str, torch.Tensor]:
+        return {**super().row_state(), "H": self.H, "z": self.z}
 
-    def attend(self, layer, rows, q, scores):
+    def absorb(self, layer, state, where, k, v) -> None:
+        """The evicted ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]``: into ``H`` and ``z`` of rows ``where`` of
+        ``state`` (:meth:`EvictingCache.absorb`)."""
+        features = phi_k(k, self.weights.layers[layer])  # [b, H_kv, m, rank]
+        H = torch.einsum("bhmr,bhmd->bhrd", features, v.float()).flatten(0, 1)
+        z = features.sum(2).flatten(0, 1)
+        if where is None:
+            state["H"] += H
+            state["z"] += z
+        else:
+            state["H"][where] += H
+            state["z"][where] += z
+
+    def attend(self, step, index, q, scores):
         b, h, d = q.shape
         g = h // self.num_kv_heads
-        out, *extra = self.pool.attend(rows, q.reshape(-1, g, d), self.scale, scores=scores, return_lse=True)
+        out, *extra = self.pool.attend_planned(step.plan, q.reshape(-1, g, d), self.scale, index=index, scores=scores,
+                                               return_lse=True)
         lse = extra[-1]  # [b * H_kv, G]
-        features = phi_q(q[:, :, None], self.weights.layers[layer])[:, :, 0].reshape(-1, g, self.weights.rank)
-        lin_num = features @ self.H[rows]  # [b * H_kv, G, d_v]
-        lin_den = (features * self.z[rows][:, None]).sum(-1)
+        w = self.weights.layers[step.layers[index]]
+        features = phi_q(q[:, :, None], w)[:, :, 0].reshape(-1, g, self.weights.rank)
+        lin_num = features @ step.state["H"][index]  # [b * H_kv, G, d_v]
+        lin_den = (features * step.state["z"][index][:, None]).sum(-1)
         out = less_combine(out.float(), lse, lin_num, lin_den).to(q.dtype)
         return out, (extra[0] if scores is not None else None)
