@@ -122,6 +122,7 @@ class LlamaForInference:
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
         self.final_norm = w("model.norm.weight")
+        self.lm_head_t = self.lm_head.T  # the view the LM head's matmul takes, made once
         self.layers = [LlamaLayer(i, w, s.head_dim, s.norm_eps) for i in range(s.num_layers)]
         self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling)
         self.rope = functools.partial(rope, inv_freq=self.inv_freq)  # rope(x [..., d], positions): the model's RoPE
@@ -193,6 +194,13 @@ class LlamaForInference:
 
     def _layers(self, tokens, positions, attend, raw_qk: bool = False) -> torch.Tensor:
         x = self.embed[tokens]
+        if self.dmc is None and not raw_qk:  # the layers rotate q and k together: no per-layer work here
+            cos, sin = rope_angles(positions[..., None], self.inv_freq, self.dtype)  # [b, n, 1, d]
+            info = TokenInfo(positions)
+            for layer in self.layers:
+                x = layer(x, lambda i, q, k, v: attend(i, q, k, v, info), self._all_reduce,
+                          lambda qk: rotate_half_rope(qk, cos, sin))
+            return self._logits(x)
         if not raw_qk:  # every layer rotates at the same positions: [b, 1, n, d], in the model's dtype
             cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
 
@@ -215,7 +223,11 @@ class LlamaForInference:
 
         for layer in self.layers:
             x = layer(x, attention, self._all_reduce)
-        return rms_norm(x, self.final_norm, self.shape.norm_eps) @ self.lm_head.T
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., V]`` of the last layer's hidden states ``x [..., hidden]``: final RMSNorm, LM head."""
+        return rms_norm(x, self.final_norm, self.shape.norm_eps) @ self.lm_head_t
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel projection's ``partial`` (itself without a group)."""

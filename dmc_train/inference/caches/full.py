@@ -58,7 +58,8 @@ class FullCache(KVCache):
         step = self._step
         if step is not None and step[0] == tuple(seq_ids):  # begin_decode grew the rows and planned
             self.pool.write_slots(step[1][layer], k, v)
-            out = self.pool.attend_planned(step[2], q.view(len(k), h // self.num_kv_heads, d), self.scale, index=layer)
+            q = q.reshape(len(k), h // self.num_kv_heads, d)  # [B * H_kv, G, d]
+            out = self.pool.attend_planned(step[2], q, self.scale, index=layer)
             return out.view(b, h, -1)
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()
