@@ -234,10 +234,9 @@ class Engine:
             for req, out in zip(group, logits):
                 self.waiting.popleft()
                 self._insert(self.running, req)
-                recomputed = len(out) - len(req.prompt)
-                req.cached = len(out)
+                req.cached = len(self._fed(req))
                 if req.tokens:  # recomputed: its next token is known, nothing is sampled
-                    self.stats["recomputed_tokens"] += recomputed
+                    self.stats["recomputed_tokens"] += req.cached - len(req.prompt)
                 else:
                     new.append((req, out[-1]))
             if new:
@@ -269,8 +268,8 @@ class Engine:
         return group
 
     def _prefill(self, group: list[_Request]) -> list[torch.Tensor]:
-        """Prefill ``group`` in one forward; the logits ``[n_i, V]`` of each. On OutOfPages the group's rows
-        are released and it is raised."""
+        """Prefill ``group`` in one forward; the logits ``[1, V]`` of each one's last token. On OutOfPages the
+        group's rows are released and it is raised."""
         fed = [torch.tensor(self._fed(req)) for req in group]
         if self.model.group is not None:  # no rank may run out alone inside the forward: all decide on the bound
             bound, free = sum(self.cache.prefill_pages_bound(len(f)) for f in fed), self._free_pages()
@@ -280,7 +279,7 @@ class Engine:
             self.cache.add(req.id, req.params.max_new_tokens)
         start = time.perf_counter()
         try:
-            logits = self.model.prefill_batch(self.cache, [req.id for req in group], fed)
+            logits = self.model.prefill_batch(self.cache, [req.id for req in group], fed, last_only=True)
         except OutOfPages:
             for req in group:
                 self.cache.release(req.id)
