@@ -342,7 +342,9 @@ class Engine:
         self.stats["recomputed_tokens"] += len(batch) - len(sampled)
         for req in batch:
             req.cached += 1
-        new = self._sample(logits[sampled], [batch[i] for i in sampled]) if sampled else torch.empty(0)
+        if len(sampled) < len(batch):  # some requests replay a recompute: only the others sample
+            logits = logits[sampled]
+        new = self._sample(logits, [batch[i] for i in sampled]) if sampled else torch.empty(0)
         for i, token in zip(sampled, new.tolist()):
             events.append(self._accept(batch[i], token))
         if self.stats["preemptions"] > preempted and self.running:
@@ -350,7 +352,9 @@ class Engine:
         return events
 
     def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
-        tokens = sample(logits[:, : self.vocab_limit], [r.params for r in requests], [r.generator for r in requests])
+        if logits.shape[1] > self.vocab_limit:  # ids past the tokenizer's are never sampled
+            logits = logits[:, : self.vocab_limit]
+        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
         return self.model.same_on_all_ranks(tokens)
 
     # Tensor parallelism: every rank's cache holds its own KV heads' rows, and a DMC head compresses as it does,

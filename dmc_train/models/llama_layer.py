@@ -63,16 +63,16 @@ class LlamaLayer:
         (optional): RoPE of the query and key heads together, ``qk [b, n, H + H_kv, d]`` -> the same shape; q and k
         then reach ``attend`` rotated (one rotation instead of two)."""
         b, n, hidden = x.shape
-        x = x.reshape(b * n, hidden)  # rows = tokens: every projection is one 2-d matmul
-        heads = (rms_norm(x, self.norm_in, self.eps) @ self.qkv_t).view(b, n, -1, self.head_dim)
+        x = x.reshape(b * n, hidden)  # rows = tokens: every projection is one 2-d matmul (torch.mm: one call)
+        heads = torch.mm(rms_norm(x, self.norm_in, self.eps), self.qkv_t).view(b, n, -1, self.head_dim)
         hq, hk, hv = self.heads
         if rotate is None:
             q, k, v = heads.split(self.heads, 2)
         else:
             (q, k), v = rotate(heads[:, :, : hq + hk]).split((hq, hk), 2), heads[:, :, hq + hk:]
         out = attend(self.index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, H, n, d]
-        out = out.transpose(1, 2).reshape(b * n, -1) @ self.o_t
+        out = torch.mm(out.transpose(1, 2).reshape(b * n, -1), self.o_t)
         x = x + (out if all_reduce is None else all_reduce(out))
-        gate, up = (rms_norm(x, self.norm_mlp, self.eps) @ self.gate_up_t).chunk(2, dim=-1)
-        out = (F.silu(gate) * up) @ self.down_t
+        gate, up = torch.mm(rms_norm(x, self.norm_mlp, self.eps), self.gate_up_t).chunk(2, dim=-1)
+        out = torch.mm(F.silu(gate) * up, self.down_t)
         return (x + (out if all_reduce is None else all_reduce(out))).view(b, n, hidden)

@@ -96,22 +96,27 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     return DecodePlan(R, L, lens, groups, block_table)
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (no call when it is: a decode step of a small model on CPU is bound by calls)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _attend_group(q, k_pages, v_pages, g: RowGroup, scale: float, max_len: int, scores, return_lse: bool, index):
     """One group's ``(out [r, G, d_v], s [r, min(width, L)] or None, lse [r, G] or None)``."""
     r, width = g.tail.shape[0], g.tail.shape[2]
     d, dv, wd = q.shape[2], v_pages.shape[2], work_dtype(q)
     pages = (g.pages if index is None else g.pages[index]).flatten()
     # index_select copies whole pages (memcpy); k_pages[pages] computes an offset per element, ~7x slower on CPU
-    k = k_pages.index_select(0, pages).view(r, width, d).to(wd)
-    v = v_pages.index_select(0, pages).view(r, width, dv).to(wd)
-    logits = ((q if g.rows is None else q[g.rows]).to(wd) @ k.transpose(1, 2)) * scale  # [r, G, width]
+    k = _as(k_pages.index_select(0, pages).view(r, width, d), wd)
+    v = _as(v_pages.index_select(0, pages).view(r, width, dv), wd)
+    logits = torch.bmm(_as(q if g.rows is None else q[g.rows], wd), k.transpose(1, 2)) * scale  # [r, G, width]
     s = logits.sum(1).masked_fill(g.tail[:, 0], 0.0)[:, :max_len].float() if scores == "logits" else None
     logits = logits.masked_fill(g.tail, float("-inf"))
     lse = logits.logsumexp(-1).float() if return_lse else None
     probs = torch.softmax(logits, dim=-1)
     if scores == "probs":
         s = probs.sum(1)[:, :max_len].float()  # the tail's probabilities are 0
-    return (probs @ v).to(q.dtype), s, lse
+    return _as(torch.bmm(probs, v), q.dtype), s, lse
 
 
 def attend_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DecodePlan, scale: float,
