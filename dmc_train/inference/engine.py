@@ -118,8 +118,8 @@ class Engine:
         kv_bytes: the K/V page budget, in bytes or a size such as ``"64MB"`` (default: room for ``max_batch``
             sequences of the model's maximum length uncompressed); :meth:`PagePool.for_budget` makes the pool.
         max_batch: most requests running at once (rows of the block table).
-        max_prefill_tokens: most prompt tokens prefilled together in one forward (it bounds the activations
-            and the ``[tokens, V]`` logits of a batched prefill; a longer prompt goes alone); None: no limit.
+        max_prefill_tokens: most prompt tokens prefilled together in one forward (it bounds the activations of
+            a batched prefill; a longer prompt goes alone); None: no limit.
         cache_options: the cache's options, e.g. ``budget=128`` (or ``0.25`` of the context),
             ``schedule="decode"``, ``recent_fraction=0.5`` (``docs/INFERENCE.md``).
     """

@@ -41,20 +41,38 @@ class LlamaLayer:
 
     ``qkv [(H + 2 H_kv) d, hidden]`` (q_proj, k_proj, v_proj stacked), ``o [hidden, H d]``,
     ``gate_up [2 ffn, hidden]`` (gate_proj, up_proj stacked), ``down [hidden, ffn]``, ``norm_in`` and
-    ``norm_mlp [hidden]``."""
+    ``norm_mlp [hidden]``. The projections are stored transposed, ``[in, out]`` contiguous (``qkv_t``, ``o_t``,
+    ``gate_up_t``, ``down_t``; ``qkv`` etc. are their transposed views): ``x @ w_t`` of a few rows (a decode
+    step) runs 1.5-2.5x faster on CPU than ``x @ w.T`` of the Hugging Face layout, and as fast for many rows."""
 
     def __init__(self, index: int, weight: Callable[[str], torch.Tensor], head_dim: int, eps: float):
         p = f"model.layers.{index}."
         q, k, v = (weight(p + f"self_attn.{n}_proj.weight") for n in "qkv")
         self.index, self.head_dim, self.eps = index, head_dim, eps
-        self.qkv, self.heads = torch.cat([q, k, v]), (len(q) // head_dim, len(k) // head_dim, len(v) // head_dim)
-        self.o = weight(p + "self_attn.o_proj.weight")
-        self.gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")])
-        self.down = weight(p + "mlp.down_proj.weight")
+        self.heads = (len(q) // head_dim, len(k) // head_dim, len(v) // head_dim)
+        self.qkv_t = torch.cat([q, k, v]).T.contiguous()
+        self.o_t = weight(p + "self_attn.o_proj.weight").T.contiguous()
+        gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")])
+        self.gate_up_t = gate_up.T.contiguous()
+        self.down_t = weight(p + "mlp.down_proj.weight").T.contiguous()
         self.norm_in = weight(p + "input_layernorm.weight")
         self.norm_mlp = weight(p + "post_attention_layernorm.weight")
-        # the transposed views the matmuls take, made once (``h @ w.T`` per call is one more tensor call each)
-        self.qkv_t, self.o_t, self.gate_up_t, self.down_t = self.qkv.T, self.o.T, self.gate_up.T, self.down.T
+
+    @property
+    def qkv(self) -> torch.Tensor:
+        return self.qkv_t.T
+
+    @property
+    def o(self) -> torch.Tensor:
+        return self.o_t.T
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return self.gate_up_t.T
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.down_t.T
 
     def __call__(self, x: torch.Tensor, attend: Attend,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
