@@ -42,7 +42,7 @@ from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.llama_layer import LlamaLayer
 from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import rope, rope_angles, rope_inv_freq, rotate_half_rope
+from dmc_train.models.rope import rope, rope_angles, rope_inv_freq, rope_rotation, rotate_half_rope
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.dmc import decisions
@@ -199,11 +199,10 @@ class LlamaForInference:
     def _layers(self, tokens, positions, attend, raw_qk: bool = False, logits_at=None) -> torch.Tensor:
         x = self.embed[tokens]
         if self.dmc is None and not raw_qk:  # the layers rotate q and k together: no per-layer work here
-            cos, sin = rope_angles(positions[..., None], self.inv_freq, self.dtype)  # [b, n, 1, d]
+            rotate = rope_rotation(positions[..., None], self.inv_freq, self.dtype)  # of qk [b, n, H + H_kv, d]
             info = TokenInfo(positions)
             for layer in self.layers:
-                x = layer(x, lambda i, q, k, v: attend(i, q, k, v, info), self._all_reduce,
-                          lambda qk: rotate_half_rope(qk, cos, sin))
+                x = layer(x, lambda i, q, k, v: attend(i, q, k, v, info), self._all_reduce, rotate)
             return self._logits(x, logits_at)
         if not raw_qk:  # every layer rotates at the same positions: [b, 1, n, d], in the model's dtype
             cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
@@ -348,7 +347,7 @@ class LlamaForInference:
 
         def attend(layer, q, k, v, info):
             alpha, omega = (None if t is None else t[..., 0] for t in (info.alpha, info.omega))
-            info = TokenInfo(info.positions[:, 0], alpha, omega, rotate=info.rotate)
+            info = TokenInfo(positions, alpha, omega, rotate=info.rotate)  # info.positions [B, 1]: positions
             return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
 
         cache.begin_decode(seq_ids)

@@ -76,12 +76,16 @@ class DecodePlan:
 def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int) -> DecodePlan:
     """The :class:`DecodePlan` of rows with lengths ``seq_lens [R]`` and block table ``[..., R, max_pages]``
     (``page_bytes``: bytes of a K page plus a V page, which sets the row groups: :func:`row_groups`)."""
-    lens = seq_lens.long()
+    lens = _as(seq_lens, torch.int64)
     R = lens.shape[0]
-    used = (lens + page_size - 1) // page_size
-    L = int(lens.max()) if R else 0
+    shortest, L = (int(t) for t in torch.aminmax(lens)) if R else (0, 0)
     n_max = -(-L // page_size)
-    parts = [None] if R and int(used.min()) == n_max else row_groups(used, page_bytes)
+    used = None
+    if R and -(-shortest // page_size) == n_max:
+        parts = [None]
+    else:
+        used = (lens + (page_size - 1)) // page_size
+        parts = row_groups(used, page_bytes)
     if len(parts) == 1:  # one group: its rows in order (no gather of q, no scatter of the outputs)
         parts = [None]
     groups = []
@@ -91,8 +95,9 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
         else:
             n_pages = int(used[rows].max())
             pages, group_lens = block_table.index_select(-2, rows)[..., :n_pages], lens[rows]
-        tail = torch.arange(n_pages * page_size, device=lens.device) >= group_lens[:, None]  # past the last entry
-        groups.append(RowGroup(rows, pages.long().clamp(min=0), tail[:, None, :]))
+        # [r, 1, n_pages * page_size]: past each row's last entry
+        tail = torch.arange(n_pages * page_size, device=lens.device) >= group_lens[:, None, None]
+        groups.append(RowGroup(rows, _as(pages, torch.int64).clamp(min=0), tail))
     return DecodePlan(R, L, lens, groups, block_table)
 
 

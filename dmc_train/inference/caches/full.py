@@ -46,8 +46,9 @@ class FullCache(KVCache):
         the attention plan computed once (every layer's rows of a sequence hold its tokens: equal lengths)."""
         rows = self.batch_rows(seq_ids).transpose(0, 1).flatten(1)  # [layers, B * H_kv]
         lens = self.pool.seq_lens[rows[0]].long()
-        self.pool.grow(rows.flatten(), (lens + 1).repeat(self.num_layers))
-        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan(rows, lens + 1))
+        grown = lens + 1
+        self.pool.grow(rows.flatten(), grown.repeat(self.num_layers))
+        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan(rows, grown))
 
     def end_decode(self):
         self._step = None
