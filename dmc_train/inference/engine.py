@@ -118,8 +118,8 @@ class Engine:
         kv_bytes: the K/V page budget, in bytes or a size such as ``"64MB"`` (default: room for ``max_batch``
             sequences of the model's maximum length uncompressed); :meth:`PagePool.for_budget` makes the pool.
         max_batch: most requests running at once (rows of the block table).
-        max_prefill_tokens: most prompt tokens prefilled together in one forward (it bounds the activations
-            and the ``[tokens, V]`` logits of a batched prefill; a longer prompt goes alone); None: no limit.
+        max_prefill_tokens: most prompt tokens prefilled together in one forward (it bounds the activations of
+            a batched prefill; a longer prompt goes alone); None: no limit.
         cache_options: the cache's options, e.g. ``budget=128`` (or ``0.25`` of the context),
             ``schedule="decode"``, ``recent_fraction=0.5`` (``docs/INFERENCE.md``).
     """
@@ -234,10 +234,9 @@ class Engine:
             for req, out in zip(group, logits):
                 self.waiting.popleft()
                 self._insert(self.running, req)
-                recomputed = len(out) - len(req.prompt)
-                req.cached = len(out)
+                req.cached = len(self._fed(req))
                 if req.tokens:  # recomputed: its next token is known, nothing is sampled
-                    self.stats["recomputed_tokens"] += recomputed
+                    self.stats["recomputed_tokens"] += req.cached - len(req.prompt)
                 else:
                     new.append((req, out[-1]))
             if new:
@@ -269,8 +268,8 @@ class Engine:
         return group
 
     def _prefill(self, group: list[_Request]) -> list[torch.Tensor]:
-        """Prefill ``group`` in one forward; the logits ``[n_i, V]`` of each. On OutOfPages the group's rows
-        are released and it is raised."""
+        """Prefill ``group`` in one forward; the logits ``[1, V]`` of each one's last token. On OutOfPages the
+        group's rows are released and it is raised."""
         fed = [torch.tensor(self._fed(req)) for req in group]
         if self.model.group is not None:  # no rank may run out alone inside the forward: all decide on the bound
             bound, free = sum(self.cache.prefill_pages_bound(len(f)) for f in fed), self._free_pages()
@@ -280,7 +279,7 @@ class Engine:
             self.cache.add(req.id, req.params.max_new_tokens)
         start = time.perf_counter()
         try:
-            logits = self.model.prefill_batch(self.cache, [req.id for req in group], fed)
+            logits = self.model.prefill_batch(self.cache, [req.id for req in group], fed, last_only=True)
         except OutOfPages:
             for req in group:
                 self.cache.release(req.id)
@@ -343,7 +342,9 @@ class Engine:
         self.stats["recomputed_tokens"] += len(batch) - len(sampled)
         for req in batch:
             req.cached += 1
-        new = self._sample(logits[sampled], [batch[i] for i in sampled]) if sampled else torch.empty(0)
+        if len(sampled) < len(batch):  # some requests replay a recompute: only the others sample
+            logits = logits[sampled]
+        new = self._sample(logits, [batch[i] for i in sampled]) if sampled else torch.empty(0)
         for i, token in zip(sampled, new.tolist()):
             events.append(self._accept(batch[i], token))
         if self.stats["preemptions"] > preempted and self.running:
@@ -351,7 +352,9 @@ class Engine:
         return events
 
     def _sample(self, logits: torch.Tensor, requests: list[_Request]) -> torch.Tensor:
-        tokens = sample(logits[:, : self.vocab_limit], [r.params for r in requests], [r.generator for r in requests])
+        if logits.shape[1] > self.vocab_limit:  # ids past the tokenizer's are never sampled
+            logits = logits[:, : self.vocab_limit]
+        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
         return self.model.same_on_all_ranks(tokens)
 
     # Tensor parallelism: every rank's cache holds its own KV heads' rows, and a DMC head compresses as it does,

@@ -42,7 +42,7 @@ from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.llama_layer import LlamaLayer
 from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import rope, rope_angles, rope_inv_freq, rotate_half_rope
+from dmc_train.models.rope import rope, rope_angles, rope_inv_freq, rope_rotation, rotate_half_rope
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.dmc import decisions
@@ -120,7 +120,10 @@ class LlamaForInference:
             raise InferenceError(f"weight {biases[0]}: the inference model is Llama without biases (attention_bias "
                                  f"and mlp_bias false); this checkpoint cannot run here")
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
+        # the LM head transposed, [hidden, V] contiguous as the layers' projections (faster for a decode step's
+        # few rows); tied to the embedding, the embedding's transposed view (no second copy)
+        self.lm_head_t = w("lm_head.weight").T.contiguous() if "lm_head.weight" in weights else self.embed.T
+        self.lm_head = self.lm_head_t.T  # [V, hidden]
         self.final_norm = w("model.norm.weight")
         self.layers = [LlamaLayer(i, w, s.head_dim, s.norm_eps) for i in range(s.num_layers)]
         self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling)
@@ -185,14 +188,22 @@ class LlamaForInference:
 
     # -- forward ----------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor],
-             raw_qk: bool = False) -> torch.Tensor:
+             raw_qk: bool = False, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[b, n, V]`` of ``tokens [b, n]`` at ``positions [b, n]``; ``attend(layer, q, k, v, info)``
-        returns ``[b, H, n, d_v]``; ``raw_qk``: q and k reach it before RoPE, with ``info.rotate``."""
+        returns ``[b, H, n, d_v]``; ``raw_qk``: q and k reach it before RoPE, with ``info.rotate``.
+        ``logits_at [m]``: only the logits ``[b, m, V]`` of these tokens (indices along n; the LM head runs on
+        them alone)."""
         with without_cpu_compat_mode():  # no megatron code runs here
-            return self._layers(tokens, positions, attend, raw_qk)
+            return self._layers(tokens, positions, attend, raw_qk, logits_at)
 
-    def _layers(self, tokens, positions, attend, raw_qk: bool = False) -> torch.Tensor:
+    def _layers(self, tokens, positions, attend, raw_qk: bool = False, logits_at=None) -> torch.Tensor:
         x = self.embed[tokens]
+        if self.dmc is None and not raw_qk:  # the layers rotate q and k together: no per-layer work here
+            rotate = rope_rotation(positions[..., None], self.inv_freq, self.dtype)  # of qk [b, n, H + H_kv, d]
+            info = TokenInfo(positions)
+            for layer in self.layers:
+                x = layer(x, lambda i, q, k, v: attend(i, q, k, v, info), self._all_reduce, rotate)
+            return self._logits(x, logits_at)
         if not raw_qk:  # every layer rotates at the same positions: [b, 1, n, d], in the model's dtype
             cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
 
@@ -215,7 +226,16 @@ class LlamaForInference:
 
         for layer in self.layers:
             x = layer(x, attention, self._all_reduce)
-        return rms_norm(x, self.final_norm, self.shape.norm_eps) @ self.lm_head.T
+        return self._logits(x, logits_at)
+
+    def _logits(self, x: torch.Tensor, at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[b, n, V]`` of the last layer's hidden states ``x [b, n, hidden]`` (final RMSNorm, LM head);
+        ``at [m]``: of those tokens only, ``[b, m, V]``."""
+        if at is not None:
+            x = x[:, at]
+        b, n, hidden = x.shape
+        x = rms_norm(x.reshape(b * n, hidden), self.final_norm, self.shape.norm_eps)
+        return torch.mm(x, self.lm_head_t).view(b, n, -1)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel projection's ``partial`` (itself without a group)."""
@@ -284,34 +304,41 @@ class LlamaForInference:
         return self._run(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attend, raw_qk)
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, seq_id: int, tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(self, cache: KVCache, seq_id: int, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Write the prompt ``tokens [n]`` of a new sequence into ``cache`` in one pass (or in chunks of
-        ``cache.prefill_chunk``); logits ``[n, V]``."""
+        ``cache.prefill_chunk``); logits ``[n, V]`` (``last_only``: the last token's, ``[1, V]``: the LM head
+        runs on it alone, as generation needs)."""
         raw = cache.rope_in_cache
         self.check_tokens(tokens[None], bounded=not raw)
         self.check_cache_type(cache)
         chunk = cache.prefill_chunk or len(tokens)
-        return torch.cat([self._run(tokens[None, i: i + chunk], torch.arange(i, min(i + chunk, len(tokens)))[None],
-                                    lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info), raw)[0]
-                          for i in range(0, len(tokens), chunk)])
+        logits = [self._run(tokens[None, i: i + chunk], torch.arange(i, min(i + chunk, len(tokens)))[None],
+                            lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info), raw,
+                            torch.tensor([-1]) if last_only else None)[0]
+                  for i in range(0, len(tokens), chunk)]
+        return logits[-1] if last_only else torch.cat(logits)
 
     @torch.no_grad()
-    def prefill_batch(self, cache: KVCache, seq_ids: list[int], prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+    def prefill_batch(self, cache: KVCache, seq_ids: list[int], prompts: list[torch.Tensor],
+                      last_only: bool = False) -> list[torch.Tensor]:
         """Write the prompts ``[n_i]`` of several new sequences into ``cache`` in one forward (varlen): their
         tokens packed into one row ``[1, sum n_i]``, no padding, each at its own positions from 0; the
         projections and the MLP run once over all of them, the cache attends within each sequence
         (:meth:`KVCache.prefill_varlen`). Logits ``[n_i, V]`` per sequence, those of :meth:`prefill` of each
-        alone. A cache that takes prompts in chunks or numbers positions itself gets them one at a time."""
+        alone (``last_only``: ``[1, V]``, each prompt's last token's; the LM head runs on those alone). A cache
+        that takes prompts in chunks or numbers positions itself gets them one at a time."""
         if cache.prefill_chunk is not None or cache.rope_in_cache or len(prompts) == 1:
-            return [self.prefill(cache, s, p) for s, p in zip(seq_ids, prompts)]
+            return [self.prefill(cache, s, p, last_only) for s, p in zip(seq_ids, prompts)]
         for p in prompts:
             self.check_tokens(p[None])
         self.check_cache_type(cache)
         lens = [len(p) for p in prompts]
         positions = torch.cat([torch.arange(n) for n in lens])[None]
+        last = torch.tensor(lens).cumsum(0) - 1 if last_only else None  # [B]: each prompt's last token
         logits = self._run(torch.cat(prompts)[None], positions,
-                           lambda layer, q, k, v, info: cache.prefill_varlen(layer, seq_ids, q, k, v, info, lens))
-        return list(logits[0].split(lens))
+                           lambda layer, q, k, v, info: cache.prefill_varlen(layer, seq_ids, q, k, v, info, lens),
+                           logits_at=last)
+        return list(logits[0].split([1] * len(lens) if last_only else lens))
 
     @torch.no_grad()
     def decode(self, cache: KVCache, seq_ids: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -320,7 +347,7 @@ class LlamaForInference:
 
         def attend(layer, q, k, v, info):
             alpha, omega = (None if t is None else t[..., 0] for t in (info.alpha, info.omega))
-            info = TokenInfo(info.positions[:, 0], alpha, omega, rotate=info.rotate)
+            info = TokenInfo(positions, alpha, omega, rotate=info.rotate)  # info.positions [B, 1]: positions
             return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
 
         cache.begin_decode(seq_ids)

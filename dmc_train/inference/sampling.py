@@ -103,6 +103,8 @@ def sample(
             f"{len(params)} params, {len(generators)} generators"
         )
     logits = logits.float()
+    if all(p.temperature == 0 for p in params):  # every row greedy: one argmax
+        return logits.argmax(-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:

@@ -41,27 +41,56 @@ class LlamaLayer:
 
     ``qkv [(H + 2 H_kv) d, hidden]`` (q_proj, k_proj, v_proj stacked), ``o [hidden, H d]``,
     ``gate_up [2 ffn, hidden]`` (gate_proj, up_proj stacked), ``down [hidden, ffn]``, ``norm_in`` and
-    ``norm_mlp [hidden]``."""
+    ``norm_mlp [hidden]``. The projections are stored transposed, ``[in, out]`` contiguous (``qkv_t``, ``o_t``,
+    ``gate_up_t``, ``down_t``; ``qkv`` etc. are their transposed views): ``x @ w_t`` of a few rows (a decode
+    step) runs 1.5-2.5x faster on CPU than ``x @ w.T`` of the Hugging Face layout, and as fast for many rows."""
 
     def __init__(self, index: int, weight: Callable[[str], torch.Tensor], head_dim: int, eps: float):
         p = f"model.layers.{index}."
         q, k, v = (weight(p + f"self_attn.{n}_proj.weight") for n in "qkv")
         self.index, self.head_dim, self.eps = index, head_dim, eps
-        self.qkv, self.split = torch.cat([q, k, v]), [len(q), len(k), len(v)]
-        self.o = weight(p + "self_attn.o_proj.weight")
-        self.gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")])
-        self.down = weight(p + "mlp.down_proj.weight")
+        self.heads = (len(q) // head_dim, len(k) // head_dim, len(v) // head_dim)
+        self.qkv_t = torch.cat([q, k, v]).T.contiguous()
+        self.o_t = weight(p + "self_attn.o_proj.weight").T.contiguous()
+        gate_up = torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")])
+        self.gate_up_t = gate_up.T.contiguous()
+        self.down_t = weight(p + "mlp.down_proj.weight").T.contiguous()
         self.norm_in = weight(p + "input_layernorm.weight")
         self.norm_mlp = weight(p + "post_attention_layernorm.weight")
 
+    @property
+    def qkv(self) -> torch.Tensor:
+        return self.qkv_t.T
+
+    @property
+    def o(self) -> torch.Tensor:
+        return self.o_t.T
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return self.gate_up_t.T
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.down_t.T
+
     def __call__(self, x: torch.Tensor, attend: Attend,
-                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-        """``x [b, n, hidden]`` after this layer; ``attend(index, q, k, v)`` is the attention core."""
-        b, n, _ = x.shape
-        h = rms_norm(x, self.norm_in, self.eps)
-        q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in (h @ self.qkv.T).split(self.split, -1))
-        out = attend(self.index, q, k, v).transpose(1, 2).reshape(b, n, -1) @ self.o.T
+                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 rotate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """``x [b, n, hidden]`` after this layer; ``attend(index, q, k, v)`` is the attention core. ``rotate(qk)``
+        (optional): RoPE of the query and key heads together, ``qk [b, n, H + H_kv, d]`` -> the same shape; q and k
+        then reach ``attend`` rotated (one rotation instead of two)."""
+        b, n, hidden = x.shape
+        x = x.reshape(b * n, hidden)  # rows = tokens: every projection is one 2-d matmul (torch.mm: one call)
+        heads = torch.mm(rms_norm(x, self.norm_in, self.eps), self.qkv_t).view(b, n, -1, self.head_dim)
+        hq, hk, hv = self.heads
+        if rotate is None:
+            q, k, v = heads.split(self.heads, 2)
+        else:
+            (q, k), v = rotate(heads[:, :, : hq + hk]).split((hq, hk), 2), heads[:, :, hq + hk:]
+        out = attend(self.index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, H, n, d]
+        out = torch.mm(out.transpose(1, 2).reshape(b * n, -1), self.o_t)
         x = x + (out if all_reduce is None else all_reduce(out))
-        gate, up = (rms_norm(x, self.norm_mlp, self.eps) @ self.gate_up.T).chunk(2, dim=-1)
-        out = (F.silu(gate) * up) @ self.down.T
-        return x + (out if all_reduce is None else all_reduce(out))
+        gate, up = torch.mm(rms_norm(x, self.norm_mlp, self.eps), self.gate_up_t).chunk(2, dim=-1)
+        out = torch.mm(F.silu(gate) * up, self.down_t)
+        return (x + (out if all_reduce is None else all_reduce(out))).view(b, n, hidden)

@@ -5,6 +5,7 @@
     cos, sin = rope_angles(positions, inv_freq)                     # [..., head_dim], fp32
     x = rotate_half_rope(x, cos, sin)                               # x [..., head_dim], cos / sin broadcast
     x = rope(x, positions, inv_freq)                                # the two above, angles cast to x's dtype
+    rotate = rope_rotation(positions, inv_freq)                     # x -> rotate_half_rope(x, cos, sin), fewer calls
 
 Every RoPE of the project takes its angles ``position * inv_freq`` (rotate-half convention, the
 frequencies repeated for both halves) from here: the training model (megatron-core's
@@ -37,14 +38,14 @@ Torch only (no megatron import): the inference engine uses it without loading me
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from dmc_train.config import RopeScalingConfig, rope_scaling_of
 from kernels.dmc import rotate_half_rope
 
-__all__ = ["rope_inv_freq", "model_inv_freq", "rope_angles", "rotate_half_rope", "rope"]
+__all__ = ["rope_inv_freq", "model_inv_freq", "rope_angles", "rotate_half_rope", "rope", "rope_rotation"]
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScalingConfig | None = None) -> torch.Tensor:
@@ -90,3 +91,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     the frequencies ``inv_freq [d / 2]``: angles in fp32, the rotation in ``x``'s dtype."""
     cos, sin = rope_angles(positions, inv_freq, x.dtype)
     return rotate_half_rope(x, cos, sin)
+
+
+def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x [..., d] -> rotate_half_rope(x, cos, sin)`` at ``positions`` (the angles of :func:`rope_angles`,
+    broadcast as there), bit for bit, in four tensor calls instead of six (the inference engine rotates every
+    layer's q and k with it): ``rotate_half(x) * sin = [-x2, x1] * [s, s] = [x2, x1] * [-s, s]``, and ``[x2, x1]``
+    is ``x`` rolled by ``d / 2``. The signed sines are computed once, here."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., d / 2]
+    cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)
+    sin = freqs.sin()
+    sin = torch.cat([-sin, sin], dim=-1).to(dtype)
+    half = freqs.shape[-1]
+    return lambda x: x * cos + x.roll(half, -1) * sin

@@ -148,7 +148,7 @@ class KVCache:
     def attend_paged(self, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Decode attention of ``q [B, H, d]`` over ``rows [B, H_kv]`` -> ``[B, H, d_v]``."""
         b, h, d = q.shape
-        out = self.pool.attend(rows.flatten(), q.view(b * self.num_kv_heads, h // self.num_kv_heads, d), self.scale)
+        out = self.pool.attend(rows.flatten(), q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d), self.scale)
         return out.view(b, h, -1)
 
     # -- what is held -----------------------------------------------------------------------------

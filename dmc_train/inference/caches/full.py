@@ -46,8 +46,9 @@ class FullCache(KVCache):
         the attention plan computed once (every layer's rows of a sequence hold its tokens: equal lengths)."""
         rows = self.batch_rows(seq_ids).transpose(0, 1).flatten(1)  # [layers, B * H_kv]
         lens = self.pool.seq_lens[rows[0]].long()
-        self.pool.grow(rows.flatten(), (lens + 1).repeat(self.num_layers))
-        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan(rows, lens + 1))
+        grown = lens + 1
+        self.pool.grow(rows.flatten(), grown.repeat(self.num_layers))
+        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan(rows, grown))
 
     def end_decode(self):
         self._step = None
@@ -58,7 +59,8 @@ class FullCache(KVCache):
         step = self._step
         if step is not None and step[0] == tuple(seq_ids):  # begin_decode grew the rows and planned
             self.pool.write_slots(step[1][layer], k, v)
-            out = self.pool.attend_planned(step[2], q.view(len(k), h // self.num_kv_heads, d), self.scale, index=layer)
+            q = q.reshape(len(k), h // self.num_kv_heads, d)  # [B * H_kv, G, d]
+            out = self.pool.attend_planned(step[2], q, self.scale, index=layer)
             return out.view(b, h, -1)
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()
