@@ -125,11 +125,12 @@ class PagePool:
 
     def free_rows(self, rows: torch.Tensor) -> None:
         """Return ``rows`` and their pages to the free lists."""
-        for r, used in zip(rows.tolist(), self.pages_for(self.seq_lens[rows]).tolist()):
-            self.free_pages.extend(self.block_table[r, :used].tolist())
-            self.block_table[r] = -1
-            self.seq_lens[r] = 0
-            self.free_row_ids.append(r)
+        table = self.block_table[rows]  # [n, max_pages]; row by row, in order, as pop() hands them out again
+        used = torch.arange(table.shape[1], device=table.device) < self.pages_for(self.seq_lens[rows])[:, None]
+        self.free_pages.extend(table[used].tolist())
+        self.block_table[rows] = -1
+        self.seq_lens[rows] = 0
+        self.free_row_ids.extend(rows.tolist())
 
     # -- growing rows -----------------------------------------------------------------------------
     def pages_needed(self, rows: torch.Tensor, new_lens: torch.Tensor) -> int:
