@@ -97,14 +97,18 @@ def less_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
     """LESS attention of every query of a sequence (module docstring): ``visible[t, j]`` the kept entries
     query t attends to, ``evicted[t, j]`` the pairs in the state when query t attends. Differentiable in
     ``phi_q`` and ``phi_k`` (and q, k, v); computed in fp32 (fp64 stays fp64); returns ``[b, H, n, d_v]`` in
-    q's dtype."""
+    q's dtype. GQA without copies of the KV side: the G query heads of a KV head are its rows
+    ``[b, H_kv, G * n, .]`` (query head h = KV head h // G), the masks broadcast over G."""
     b, h, n, _ = q.shape
-    g = h // k.shape[1]
+    hk = k.shape[1]
+    g = h // hk
     wd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qf, kf, vf = q.to(wd), k.to(wd).repeat_interleave(g, 1), v.to(wd).repeat_interleave(g, 1)
-    visible, evicted = visible.repeat_interleave(g, 1), evicted.repeat_interleave(g, 1)
-    logits = (qf @ kf.transpose(2, 3) * scale).masked_fill(~visible, float("-inf"))
-    lse = logits.logsumexp(-1)
-    sparse = torch.softmax(logits, dim=-1) @ vf
-    weights = (phi_q.to(wd) @ phi_k.to(wd).repeat_interleave(g, 1).transpose(2, 3)) * evicted  # [b, H, n, n]
-    return less_combine(sparse, lse, weights @ vf, weights.sum(-1), eps).to(q.dtype)
+    qf, kf, vf = q.to(wd).reshape(b, hk, g * n, -1), k.to(wd), v.to(wd)
+    visible, evicted = visible[:, :, None], evicted[:, :, None]  # [b, H_kv, 1, n, n]
+    logits = (qf @ kf.transpose(2, 3) * scale).view(b, hk, g, n, n).masked_fill(~visible, float("-inf"))
+    lse = logits.logsumexp(-1).view(b, hk, g * n)
+    sparse = torch.softmax(logits, dim=-1).view(b, hk, g * n, n) @ vf
+    phi = phi_q.to(wd).reshape(b, hk, g * n, -1) @ phi_k.to(wd).transpose(2, 3)
+    weights = (phi.view(b, hk, g, n, n) * evicted).view(b, hk, g * n, n)  # [b, H_kv, G * n, n]
+    out = less_combine(sparse, lse, weights @ vf, weights.sum(-1), eps)  # [b, H_kv, G * n, d_v]
+    return out.view(b, h, n, -1).to(q.dtype)
