@@ -78,7 +78,7 @@ def less_combine(sparse: torch.Tensor, lse: torch.Tensor, lin_num: torch.Tensor,
     ``phi_q z [...]`` -> the LESS output ``[..., d_v]`` (module docstring)."""
     den = lin_den.clamp(min=eps)
     w = torch.sigmoid(lse - den.log())[..., None]
-    return w * sparse + (1 - w) * (lin_num / den[..., None])
+    return torch.lerp(lin_num / den[..., None], sparse, w)  # w * sparse + (1 - w) * linear
 
 
 def eviction_masks(evicted_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
