@@ -75,7 +75,7 @@ def phi_k(k: torch.Tensor, w: dict[str, torch.Tensor], dropout: float = 0.0, tra
 def less_combine(sparse: torch.Tensor, lse: torch.Tensor, lin_num: torch.Tensor, lin_den: torch.Tensor,
                  eps: float = EPS) -> torch.Tensor:
     """``sparse [..., d_v]`` with ``lse [...]``, the state's numerator ``phi_q H [..., d_v]`` and denominator
-    ``phi_q z [...]`` -> the LESS output ``[..., d_v]`` (module docstring)."""
+    ``phi_q z [...]`` (all of one dtype) -> the LESS output ``[..., d_v]`` (module docstring)."""
     den = lin_den.clamp(min=eps)
     w = torch.sigmoid(lse - den.log())[..., None]
     return torch.lerp(lin_num / den[..., None], sparse, w)  # w * sparse + (1 - w) * linear
