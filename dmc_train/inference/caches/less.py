@@ -83,7 +83,7 @@ class LESSCache(EvictingCache):
         """The evicted ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]``: into ``H`` and ``z`` of rows ``where`` of
         ``state`` (:meth:`EvictingCache.absorb`)."""
         features = phi_k(k, self.weights.layers[layer])  # [b, H_kv, m, rank]
-        H = torch.einsum("bhmr,bhmd->bhrd", features, v.float()).flatten(0, 1)
+        H = (features.transpose(2, 3) @ v.float()).flatten(0, 1)  # [b H_kv, rank, d_v]
         z = features.sum(2).flatten(0, 1)
         if where is None:
             state["H"] += H
