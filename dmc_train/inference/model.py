@@ -133,6 +133,8 @@ class LlamaForInference:
         if dmc is not None and dmc.channel is not None:
             self.keep = torch.ones(s.head_dim, dtype=dtype)
             self.keep[dmc.channel] = 0
+            rolled = self.keep.roll(s.head_dim // 2)  # 0 where the signed sine multiplies the channel (k and q)
+            self.rope_masks = (self.keep, rolled, rolled * self.keep)  # of cos, of k's and q's sines
             self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32)
                                           for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0))
 
@@ -271,10 +273,8 @@ class LlamaForInference:
         cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
         half = cos.shape[-1] // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # rotate_half(x) * sin = roll(x) * signed sin
-        keep, keep_rolled = self.keep, self.keep.roll(half)
-        cos = cos * keep
-        sin_k = sin * keep_rolled
-        sin_q = sin_k * keep
+        keep, sin_k_mask, sin_q_mask = self.rope_masks
+        cos, sin_k, sin_q = cos * keep, sin * sin_k_mask, sin * sin_q_mask
 
         def rotate_q(x):
             return x * cos + x.roll(half, -1) * sin_q
