@@ -133,6 +133,10 @@ class LlamaForInference:
         if dmc is not None and dmc.channel is not None:
             self.keep = torch.ones(s.head_dim, dtype=dtype)
             self.keep[dmc.channel] = 0
+            rolled = self.keep.roll(s.head_dim // 2)  # 0 where the signed sine multiplies the channel (k and q)
+            self.rope_masks = (self.keep, rolled, rolled * self.keep)  # of cos, of k's and q's sines
+            self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32)
+                                          for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0))
 
     @property
     def default_cache(self) -> str:
@@ -171,20 +175,32 @@ class LlamaForInference:
         return cls(shape, weights, dmc, torch_dtype, less, group), loaded
 
     # -- decisions --------------------------------------------------------------------------------
-    def _decisions(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def _decisions(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   later: Optional[torch.Tensor] = None):
         """Hard ``alpha`` and ``omega [b, H_kv, n]`` from pre-RoPE ``q [b, H, n, d]``, ``k [b, H_kv, n, d]``
-        (the same functions as training's evaluation); the first token of a sequence appends."""
+        (the same functions as training's evaluation); the first token of a sequence appends. ``later [b, 1, n]``
+        (optional, :meth:`_later`): 1. where ``positions [b, n]`` is not 0, computed once for every layer."""
         st, hk = self.dmc, k.shape[1]
-        pos = positions[:, None, :].expand(-1, hk, -1)
         if st.pool is not None:  # fixed pooling: every pool-th token appends, equal weights
-            alpha = (pos % st.pool != 0).float()
+            alpha = (positions[:, None, :].expand(-1, hk, -1) % st.pool != 0).float()
             return alpha, torch.ones_like(alpha)
-        logit = decisions.alpha_logit(k[..., st.channel], st.init_offset)  # [b, H_kv, n]
-        q_dec = decisions.group_mean(q[..., st.channel].transpose(1, 2), hk).transpose(1, 2)
+        offset, threshold, eps, zero = self.decision_scalars  # 0-dim tensors: no scalar conversion per call
+        logit = decisions.alpha_logit(k[..., st.channel], offset)  # [b, H_kv, n]
+        q_dec = q[..., st.channel].float()  # [b, H, n], laid out [b, n, H] (as everything downstream expects)
+        if q.shape[1] != hk or st.shared:  # GQA: the group's mean (one head: itself, as the mean of one value);
+            # HardC: also one head, contiguous (its mean over the heads then sums in the same order)
+            q_dec = decisions.group_mean(q_dec.transpose(1, 2), hk).transpose(1, 2)  # [b, H_kv, n]
         if st.shared:
             logit, q_dec = (t.mean(1, keepdim=True).expand_as(t) for t in (logit, q_dec))
-        alpha = torch.where(pos == 0, 0.0, decisions.hard_alpha(logit, st.decision_threshold))
-        return alpha, decisions.importance(q_dec, st.init_offset, st.omega_eps)
+        later = self._later(positions) if later is None else later
+        alpha = torch.where(logit > threshold, later, zero)  # decisions.hard_alpha, 0 at a first token
+        return alpha, decisions.importance(q_dec, offset, eps)
+
+    @staticmethod
+    def _later(positions: torch.Tensor) -> torch.Tensor:
+        """``[b, 1, n]`` fp32: 1. where ``positions [b, n]`` is not a sequence's first token, else 0. (alpha times
+        it: the first token appends)."""
+        return (positions != 0).float()[:, None]
 
     # -- forward ----------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor],
@@ -204,6 +220,8 @@ class LlamaForInference:
             for layer in self.layers:
                 x = layer(x, lambda i, q, k, v: attend(i, q, k, v, info), self._all_reduce, rotate)
             return self._logits(x, logits_at)
+        if self.keep is not None and not raw_qk:
+            return self._dmc_layers(x, positions, attend, logits_at)
         if not raw_qk:  # every layer rotates at the same positions: [b, 1, n, d], in the model's dtype
             cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
 
@@ -227,6 +245,46 @@ class LlamaForInference:
         for layer in self.layers:
             x = layer(x, attention, self._all_reduce)
         return self._logits(x, logits_at)
+
+    def _dmc_layers(self, x, positions, attend, logits_at=None) -> torch.Tensor:
+        """:meth:`_layers` of a DMC model with a decision channel (q and k rotated here, not in the cache's
+        attention): the decisions from the pre-RoPE q and k, then q and k rotated by tables that zero the
+        channel (:meth:`_masked_rotations`: the same values as zeroing it before RoPE and in q after). ``x [b, n,
+        hidden]``, ``positions [b, n]``."""
+        rotate_q, rotate_k = self._masked_rotations(positions)
+        later = self._later(positions)
+
+        def attention(i, q, k, v):  # between the projections and the cache
+            info = TokenInfo(positions, *self._decisions(q, k, positions, later))
+            if self.rotate_in_cache:  # DMC rope_order=pre: the cache rotates the accumulated keys
+                info.rotate = self.rope
+            return attend(i, rotate_q(q), rotate_k(k), v, info)
+
+        for layer in self.layers:
+            x = layer(x, attention, self._all_reduce)
+        return self._logits(x, logits_at)
+
+    def _masked_rotations(self, positions: torch.Tensor):
+        """``(rotate_q, rotate_k)``: ``x [b, h, n, d] -> x * cos + x.roll(d / 2, -1) * sin`` at ``positions [b, n]``
+        with the tables ``[b, 1, n, d]`` (model dtype) of :func:`rope_rotation` in which every entry that reads the
+        decision channel ``c`` is zeroed (cos at ``c``, the signed sine at ``c + d / 2 mod d``) and, for q, also
+        the one that writes it (its sine at ``c``): bit for bit RoPE of the input with channel ``c`` zeroed, and
+        for q the result's channel ``c`` zeroed. ``rope_order=pre``: k is not rotated here, only zeroed."""
+        cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
+        half = cos.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # rotate_half(x) * sin = roll(x) * signed sin
+        keep, sin_k_mask, sin_q_mask = self.rope_masks
+        cos, sin_k, sin_q = cos * keep, sin * sin_k_mask, sin * sin_q_mask
+
+        def rotate_q(x):
+            return x * cos + x.roll(half, -1) * sin_q
+
+        def rotate_k(x):
+            if self.rotate_in_cache:
+                return x * keep
+            return x * cos + x.roll(half, -1) * sin_k
+
+        return rotate_q, rotate_k
 
     def _logits(self, x: torch.Tensor, at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[b, n, V]`` of the last layer's hidden states ``x [b, n, hidden]`` (final RMSNorm, LM head);

@@ -12,6 +12,11 @@ def work_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (no call when it is: a decode step of a small model on CPU is bound by calls)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def check_tensor(name: str, t, layout: str, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor with layout {layout}, got {type(t).__name__}")

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ._checks import pack_outputs, work_dtype
+from ._checks import as_dtype, pack_outputs, work_dtype
 
 GROUPS = 4
 # What one more group costs, in bytes of padding it would have to save: its ~25 tensor calls take about as
@@ -76,7 +76,7 @@ class DecodePlan:
 def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int) -> DecodePlan:
     """The :class:`DecodePlan` of rows with lengths ``seq_lens [R]`` and block table ``[..., R, max_pages]``
     (``page_bytes``: bytes of a K page plus a V page, which sets the row groups: :func:`row_groups`)."""
-    lens = _as(seq_lens, torch.int64)
+    lens = as_dtype(seq_lens, torch.int64)
     R = lens.shape[0]
     shortest, L = (int(t) for t in torch.aminmax(lens)) if R else (0, 0)
     n_max = -(-L // page_size)
@@ -97,7 +97,7 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
             pages, group_lens = block_table.index_select(-2, rows)[..., :n_pages], lens[rows]
         # [r, 1, n_pages * page_size]: past each row's last entry
         tail = torch.arange(n_pages * page_size, device=lens.device) >= group_lens[:, None, None]
-        groups.append(RowGroup(rows, _as(pages, torch.int64).clamp(min=0), tail))
+        groups.append(RowGroup(rows, as_dtype(pages, torch.int64).clamp(min=0), tail))
     return DecodePlan(R, L, lens, groups, block_table)
 
 
@@ -123,27 +123,22 @@ def one_group_plan(pages: torch.Tensor, lens: torch.Tensor, page_size: int, bloc
     return DecodePlan(lens.shape[0], int(lens.max()), lens, [RowGroup(None, pages, tail[:, None, :])], block_table)
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype`` (no call when it is: a decode step of a small model on CPU is bound by calls)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def _attend_group(q, k_pages, v_pages, g: RowGroup, scale: float, max_len: int, scores, return_lse: bool, index):
     """One group's ``(out [r, G, d_v], s [r, min(width, L)] or None, lse [r, G] or None)``."""
     r, width = g.tail.shape[0], g.tail.shape[2]
     d, dv, wd = q.shape[2], v_pages.shape[2], work_dtype(q)
     pages = (g.pages if index is None else g.pages[index]).flatten()
     # index_select copies whole pages (memcpy); k_pages[pages] computes an offset per element, ~7x slower on CPU
-    k = _as(k_pages.index_select(0, pages).view(r, width, d), wd)
-    v = _as(v_pages.index_select(0, pages).view(r, width, dv), wd)
-    logits = torch.bmm(_as(q if g.rows is None else q[g.rows], wd), k.transpose(1, 2)) * scale  # [r, G, width]
+    k = as_dtype(k_pages.index_select(0, pages).view(r, width, d), wd)
+    v = as_dtype(v_pages.index_select(0, pages).view(r, width, dv), wd)
+    logits = torch.bmm(as_dtype(q if g.rows is None else q[g.rows], wd), k.transpose(1, 2)) * scale  # [r, G, width]
     s = logits.sum(1).masked_fill(g.tail[:, 0], 0.0)[:, :max_len].float() if scores == "logits" else None
     logits = logits.masked_fill(g.tail, float("-inf"))
     lse = logits.logsumexp(-1).float() if return_lse else None
     probs = torch.softmax(logits, dim=-1)
     if scores == "probs":
         s = probs.sum(1)[:, :max_len].float()  # the tail's probabilities are 0
-    return _as(torch.bmm(probs, v), q.dtype), s, lse
+    return as_dtype(torch.bmm(probs, v), q.dtype), s, lse
 
 
 def attend_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DecodePlan, scale: float,

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import as_dtype
+
 
 def write_slots_torch(k_pages, v_pages, slots, k, v) -> None:
     """``k [N, d]``, ``v [N, d_v]`` into flat slots ``page * page_size + offset`` ``[N]`` (int64) of contiguous
     pages: two row copies."""
-    k_pages.view(-1, k_pages.shape[2]).index_copy_(0, slots, k.to(k_pages.dtype))
-    v_pages.view(-1, v_pages.shape[2]).index_copy_(0, slots, v.to(v_pages.dtype))
+    k_pages.view(-1, k_pages.shape[2]).index_copy_(0, slots, as_dtype(k, k_pages.dtype))
+    v_pages.view(-1, v_pages.shape[2]).index_copy_(0, slots, as_dtype(v, v_pages.dtype))
 
 
 def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> None:
@@ -49,7 +51,7 @@ def dmc_open_slot_step(state, tokens, append, omega, kv1):
     over the ring.
     """
     n, ring, width = state.shape
-    new = kv1.float() * omega.float()[:, None]  # [N, D + 1]: omega k, omega v, omega
+    new = as_dtype(kv1, torch.float32) * as_dtype(omega, torch.float32)[:, None]  # [N, D + 1]: omega k, omega v, omega
     state.masked_fill_(append.view(n, 1, 1), 0)
     tokens.masked_fill_(append, 0)
     if ring == 1:

@@ -25,8 +25,8 @@ def capture_decisions(model):
     """Record the hard decisions ``alpha [b, H_kv, n]`` of every layer of the next forwards."""
     seen, original = [], model._decisions
 
-    def spy(q, k, positions):
-        alpha, omega = original(q, k, positions)
+    def spy(q, k, positions, *rest):
+        alpha, omega = original(q, k, positions, *rest)
         seen.append(alpha)
         return alpha, omega
 

@@ -59,11 +59,11 @@ class _DecodeStep:
     layer's ``decode`` to those after the step; ``state [L, R, ring, d + d_v + 1]`` and ``tokens [L, R]``: the
     rows' open-slot state, side by side (:func:`kernels.paged.dmc_open_slot_step`), written back by
     ``end_decode``; ``ones [B, H_kv, 1]``: the column that gives a token's omega in the state. ``layers``: per layer
-    ``(rows, lens, merge_slot, append_slot, state, tokens, pages)``, views of the above (no call per layer to
-    take them), where ``merge_slot`` / ``append_slot [R]`` are the flat page slots of the open slot's entry
-    after a merge (entry ``len - 1``) and after an append (entry ``len``, on a reserved page when the last is
-    full), and ``pages [R, n]`` what one attention group reads at the step's most entries (None: the layer
-    plans its own groups)."""
+    ``(rows, lens, grown, merge_slot, append_slot, state, tokens, pages)``, views of the above (no call per layer
+    to take them), where ``grown [R]`` is ``lens + 1`` (an append's length), ``merge_slot`` / ``append_slot [R]``
+    are the flat page slots of the open slot's entry after a merge (entry ``len - 1``) and after an append (entry
+    ``len``, on a reserved page when the last is full), and ``pages [R, n]`` what one attention group reads at the
+    step's most entries (None: the layer plans its own groups)."""
 
     seq_ids: tuple
     rows: torch.Tensor
@@ -87,9 +87,12 @@ class DMCCache(KVCache):
         self.settings = settings
         self.ring = settings.window if settings.accumulation == "window" else 1
         rows, d, dv = pool.block_table.shape[0], pool.k_pages.shape[-1], pool.v_pages.shape[-1]
-        self.open_k = torch.zeros(rows, self.ring, d)  # omega-weighted keys of the open segment (exact: their sum)
-        self.open_v = torch.zeros(rows, self.ring, dv)
-        self.open_w = torch.zeros(rows, self.ring)  # their omegas (exact: z)
+        # [rows, ring, d + d_v + 1]: the layout of kernels.paged.dmc_open_slot_step, so that a decode step gathers
+        # and writes back the state in one call; open_k, open_v, open_w are views of it
+        self.open_state = torch.zeros(rows, self.ring, d + dv + 1)
+        self.open_k = self.open_state[..., :d]  # omega-weighted keys of the open segment (exact: their sum)
+        self.open_v = self.open_state[..., d:-1]
+        self.open_w = self.open_state[..., -1]  # their omegas (exact: z)
         self.open_tokens = torch.zeros(rows, dtype=torch.long)  # tokens in the open segment
 
     def state_bytes(self, seq_id: int) -> int:
@@ -142,9 +145,10 @@ class DMCCache(KVCache):
         try:
             lens = self.pool.seq_lens[rows].long()
             slots = self.pool.slots(rows[..., None], torch.stack([lens - 1, lens], -1))
-            state = torch.cat([self.open_k[rows], self.open_v[rows], self.open_w[rows][..., None]], -1)
-            tokens, pages = self.open_tokens[rows], self.pool.group_pages(rows, lens + 1)
-            views = [rows, lens, *slots.unbind(-1), state, tokens]
+            state = self.open_state[rows]
+            grown = lens + 1  # an append's length
+            tokens, pages = self.open_tokens[rows], self.pool.group_pages(rows, grown)
+            views = [rows, lens, grown, *slots.unbind(-1), state, tokens]
             per_layer = zip(*(t.unbind() for t in views), [None] * len(rows) if pages is None else pages.unbind())
             ones = torch.ones(len(seq_ids), self.num_kv_heads, 1, dtype=self.pool.dtype)
             self._step = _DecodeStep(tuple(seq_ids), rows, lens, state, tokens, ones, list(per_layer))
@@ -157,10 +161,9 @@ class DMCCache(KVCache):
         step, self._step = self._step, None
         if step is None:
             return
-        rows, d = step.rows, self.open_k.shape[-1]
+        rows = step.rows
         self.pool.seq_lens[rows] = step.lens.to(torch.int32)
-        self.open_k[rows], self.open_v[rows], self.open_w[rows] = (step.state[..., :d], step.state[..., d:-1],
-                                                                   step.state[..., -1])
+        self.open_state[rows] = step.state
         self.open_tokens[rows] = step.tokens
         self.pool.trim(rows.flatten())
 
@@ -168,10 +171,10 @@ class DMCCache(KVCache):
         step = self._step
         if step is None or step.seq_ids != tuple(seq_ids):
             return self._decode_layer(layer, seq_ids, q, k, v, info)
-        rows, lens, merge_slot, append_slot, state, tokens, pages = step.layers[layer]
+        rows, lens, grown, merge_slot, append_slot, state, tokens, pages = step.layers[layer]
         b, h, d = q.shape
-        append = info.alpha.reshape(-1) == 0
-        lens.add_(append)
+        append = torch.logical_not(info.alpha).reshape(-1)  # alpha is 0. or 1.
+        lens.copy_(torch.where(append, grown, lens))
         kv1 = torch.cat([k, v, step.ones], -1).view(len(append), -1)
         avg = dmc_open_slot_step(state, tokens, append, info.omega.reshape(-1), kv1)
         k_open, v_open = avg.split([d, avg.shape[1] - d], -1)
