@@ -140,7 +140,7 @@ def paged_write_triton(k_pages, v_pages, block_table, rows, positions, k, v) -> 
 
 @triton.jit
 def _dmc_update_kernel(KP, VP, BT, LENS, ROWS, APPEND, OMEGA, K, V, OK, OV, OW, OT,
-                       s_kp, s_ks, s_vp, s_vs, s_btr, s_k, s_v, s_okr, s_okj, s_ovr, s_ovj, s_owr, D, DV,
+                       s_kp, s_ks, s_vp, s_vs, s_btr, s_k, s_v, s_okr, s_okj, s_ovr, s_ovj, s_owr, s_owj, D, DV,
                        RING: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(ROWS + i).to(tl.int64)
@@ -163,10 +163,10 @@ def _dmc_update_kernel(KP, VP, BT, LENS, ROWS, APPEND, OMEGA, K, V, OK, OV, OW, 
         newest = tl.where(j == slot, w, 0.0)
         new_k = tl.where(keep, tl.load(OK + row * s_okr + j * s_okj + dd, mask=md, other=0.0), 0.0) + newest * k
         new_v = tl.where(keep, tl.load(OV + row * s_ovr + j * s_ovj + dv, mask=mv, other=0.0), 0.0) + newest * v
-        new_w = tl.where(keep, tl.load(OW + row * s_owr + j), 0.0) + newest
+        new_w = tl.where(keep, tl.load(OW + row * s_owr + j * s_owj), 0.0) + newest
         tl.store(OK + row * s_okr + j * s_okj + dd, new_k, mask=md)
         tl.store(OV + row * s_ovr + j * s_ovj + dv, new_v, mask=mv)
-        tl.store(OW + row * s_owr + j, new_w)
+        tl.store(OW + row * s_owr + j * s_owj, new_w)
         num_k += new_k
         num_v += new_v
         z += new_w
@@ -188,5 +188,5 @@ def dmc_cache_update_triton(k_pages, v_pages, block_table, seq_lens, rows, appen
         open_k, open_v, open_w, open_tokens,
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1), block_table.stride(0),
         k.stride(0), v.stride(0), open_k.stride(0), open_k.stride(1), open_v.stride(0), open_v.stride(1),
-        open_w.stride(0), d, v.shape[1],
+        open_w.stride(0), open_w.stride(1), d, v.shape[1],
         RING=open_k.shape[1], PAGE=k_pages.shape[1], BLOCK_D=_pow2(d, 1), BLOCK_DV=_pow2(v.shape[1], 1))
