@@ -132,7 +132,7 @@ print("ok")
 
 
 @pytest.mark.slow
-def test_wheel_ships_the_recipe_tree_and_slurm_files(installed):
+def test_wheel_ships_the_recipe_tree_slurm_files_and_the_cpu_kernel_source(installed):
     site = installed[0]
 
     def tree(path):
@@ -143,6 +143,7 @@ def test_wheel_ships_the_recipe_tree_and_slurm_files(installed):
     for name in ("train.sbatch.tmpl", "torchrun_node.sh"):
         with open(site / "launch" / "slurm" / name) as shipped, open(os.path.join(ROOT, "launch", "slurm", name)) as f:
             assert shipped.read() == f.read()
+    assert (site / "kernels" / "paged" / "cpu_kernel.c").exists()  # compiled on first use (kernels/paged/cpu.py)
     assert not (site / "recipes").exists() and not (site / "tests").exists() and not (site / "benchmarks").exists()
 
 

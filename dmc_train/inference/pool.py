@@ -29,6 +29,7 @@ from kernels.paged import (
     paged_attention_planned,
     paged_decode_plan,
     paged_write,
+    reads_block_table,
     write_slots_torch,
 )
 
@@ -236,7 +237,7 @@ class PagePool:
         index must hold ``lens``."""
         if lens is None:
             lens = self.seq_lens[rows]
-        return paged_decode_plan(self.block_table[rows], lens, self.page_size, self.page_bytes)
+        return paged_decode_plan(self.block_table[rows], lens, self.page_size, self.page_bytes, self.dtype)
 
     def attend_planned(self, plan: DecodePlan, q: torch.Tensor, scale: float, index: Optional[int] = None,
                        scores: str | None = None, return_lse: bool = False):
@@ -247,7 +248,10 @@ class PagePool:
     def group_pages(self, rows: torch.Tensor, capacity: torch.Tensor) -> Optional[torch.Tensor]:
         """Pages ``[..., n, pages]`` one attention group reads for ``rows [..., n]`` holding at most ``capacity
         [..., n]`` entries each, lengths decided later (:func:`kernels.paged.one_group_pages`; e.g. every layer of
-        a DMC decode step); None when several groups would pay. :meth:`plan_group` plans the lengths held."""
+        a DMC decode step); None when several groups would pay, or when the attention reads each row's own pages
+        (:func:`kernels.paged.reads_block_table`). :meth:`plan_group` plans the lengths held."""
+        if reads_block_table(self.k_pages.device, self.dtype):
+            return None
         return one_group_pages(self.block_table[rows], capacity, self.page_size, self.page_bytes)
 
     def plan_group(self, pages: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor) -> DecodePlan:

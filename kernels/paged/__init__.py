@@ -14,11 +14,14 @@ flash-attn's ``flash_attn_with_kvcache``):
 Every cached token is visible to the decode query (no causal mask). Rows may be ragged and their
 pages in any order.
 
-Public ops (each validates its inputs, then picks an implementation in one place, ``_use_triton``
-below, by :mod:`kernels.backend`: Triton for CUDA tensors, PyTorch elsewhere):
+Public ops (each validates its inputs, then picks an implementation in one place, ``_impl`` and
+:func:`reads_block_table` below, by :mod:`kernels.backend`: Triton for CUDA tensors, on CPU the compiled
+kernel for fp32 decode attention and PyTorch for the rest):
 
-- :func:`paged_attention`: decode attention. PyTorch: ``varlen.py`` (rows grouped by page count, one
-  batched matmul per group: cost ~ the tokens held plus a page per row); Triton: ``triton_kernels.py``
+- :func:`paged_attention`: decode attention. CPU, fp32: ``cpu.py`` (``cpu_kernel.c``, compiled on first use:
+  each row reads its own pages in place, online softmax, rows over the OpenMP threads; without a C compiler
+  the PyTorch path); PyTorch: ``varlen.py`` (rows grouped by page count, one batched matmul per group over
+  a gathered copy: cost ~ the tokens held plus a page per row); Triton: ``triton_kernels.py``
   (split-K over pages, G query heads per program, log-sum-exp merge); flash-attn's ``flash_attn_with_kvcache``
   (``flash.py``) when it is installed and fits (CUDA, fp16/bf16, page size divisible by 256) and no
   scores are requested. With ``scores="probs"`` / ``"logits"`` it also returns, from the same attention
@@ -60,6 +63,7 @@ from kernels.backend import get_backend, use_triton
 
 from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores
 from .column_sums import attention_column_sums_torch
+from .cpu import cpu_kernel_fits, cpu_kernel_runs, paged_attention_cpu
 from .flash import flash_fits, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
 from .varlen import DecodePlan, attend_planned, one_group_pages, one_group_plan, paged_attention_torch, plan_decode
@@ -67,6 +71,7 @@ from .writes import dmc_cache_update_torch, dmc_open_slot_step, paged_write_torc
 
 __all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "dmc_open_slot_step", "one_group_pages",
            "one_group_plan", "paged_attention", "paged_attention_planned", "paged_decode_plan", "paged_write",
+           "reads_block_table",
            "write_slots_torch",
            "reference_attention_column_sums", "reference_paged_attention"]
 
@@ -79,6 +84,13 @@ def _impl(name: str, device: torch.device) -> Callable:
         return getattr(triton_kernels, f"{name}_triton")
     return {"paged_attention": paged_attention_torch, "paged_write": paged_write_torch,
             "dmc_cache_update": dmc_cache_update_torch}[name]
+
+
+def reads_block_table(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when paged decode attention over pages of ``dtype`` on ``device`` runs a kernel that reads each row's
+    pages through the block table itself (Triton on CUDA, the compiled CPU kernel): a :class:`DecodePlan` then
+    keeps only the table and lengths, and no caller needs to choose pages or groups."""
+    return use_triton(device) or (get_backend() == "auto" and cpu_kernel_runs(device, dtype))
 
 
 def paged_attention(
@@ -133,18 +145,22 @@ def paged_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if scores is None and not return_lse and get_backend() == "auto" and flash_fits(q, k_pages):
         return paged_attention_flash(q, k_pages, v_pages, block_table, seq_lens, float(scale))
+    if get_backend() == "auto" and cpu_kernel_fits(q, k_pages, v_pages):
+        return paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores, return_lse)
     impl = _impl("paged_attention", q.device)
     if scores is None and not return_lse:
         return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale))
     return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores=scores, return_lse=return_lse)
 
 
-def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int) -> DecodePlan:
+def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int,
+                      dtype: torch.dtype | None = None) -> DecodePlan:
     """The :class:`DecodePlan` of rows holding ``seq_lens [R]`` entries with block table ``[..., R, max_pages]``
     (leading dims: e.g. the layers of a decode step whose rows hold equal lengths; a call picks one with
     ``index``); ``page_bytes``: a K page plus a V page. Not validated: the caller builds the table (the
-    engine's pool). On a device where the Triton kernel runs, only the table and lengths are kept."""
-    if use_triton(seq_lens.device):
+    engine's pool). When a kernel reads the table itself (:func:`reads_block_table` for the pages' ``dtype``;
+    None: the PyTorch path's plan), only the table and lengths are kept (``max_len = -1``, no groups)."""
+    if use_triton(seq_lens.device) or (dtype is not None and reads_block_table(seq_lens.device, dtype)):
         return DecodePlan(seq_lens.shape[0], -1, seq_lens, [], block_table)
     return plan_decode(block_table, seq_lens, page_size, page_bytes)
 
@@ -156,9 +172,11 @@ def paged_attention_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     table's ``[index]`` when it has a leading dim): the same outputs. Only q's shape is checked."""
     if q.dim() != 3 or q.shape[0] != plan.rows:
         raise ValueError(f"q must be [R, G, d] with R = {plan.rows} rows of the plan, got {tuple(q.shape)}")
-    if use_triton(q.device) or (scores is None and not return_lse and get_backend() == "auto"
-                                and flash_fits(q, k_pages)):
+    if plan.max_len < 0 or (scores is None and not return_lse and get_backend() == "auto"
+                            and flash_fits(q, k_pages)):
         table = plan.block_table if index is None else plan.block_table[index]
+        if plan.max_len < 0 and get_backend() == "auto" and cpu_kernel_fits(q, k_pages, v_pages):  # no checks
+            return paged_attention_cpu(q, k_pages, v_pages, table, plan.lens, float(scale), scores, return_lse)
         return paged_attention(q, k_pages, v_pages, table, plan.lens, scale, scores=scores, return_lse=return_lse,
                                check_values=False)
     return attend_planned(q, k_pages, v_pages, plan, float(scale), scores=scores, return_lse=return_lse, index=index)

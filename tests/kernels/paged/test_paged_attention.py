@@ -7,6 +7,8 @@ import torch
 
 from kernels.paged import paged_attention, reference_paged_attention
 
+pytestmark = pytest.mark.usefixtures("cpu_backend")  # conftest.py: the compiled kernel and PyTorch
+
 MAX_PAGES = 4
 
 

@@ -1,5 +1,5 @@
-"""paged_attention(scores=...) (the PyTorch path) and attention_column_sums against the loop references, the
-references against dense computations."""
+"""paged_attention(scores=...) (on both CPU paths: the compiled kernel and PyTorch) and attention_column_sums
+against the loop references, the references against dense computations."""
 
 import math
 
@@ -13,6 +13,8 @@ from kernels.paged import (
     reference_paged_attention,
 )
 from tests.kernels.paged.test_paged_attention import make_case, ragged_lens
+
+pytestmark = pytest.mark.usefixtures("cpu_backend")  # conftest.py: the compiled kernel and PyTorch
 
 KINDS = ["probs", "logits"]
 

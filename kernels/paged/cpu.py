@@ -1,0 +1,134 @@
+"""Paged decode attention compiled for the CPU: ``cpu_kernel.c``, built on first use with the system's C compiler.
+
+The PyTorch path (``varlen.py``) gathers every row's pages into a padded copy and attends with batched matmuls;
+on CPU that costs a copy of the cache per layer, padding when rows hold different lengths (DMC's heads, an
+eviction policy's rows), and a plan of row groups per call. This kernel does what the Triton kernel does on
+GPUs: each row reads its own pages in place, page by page with an online softmax, rows spread over the
+OpenMP threads (as many as ``torch.get_num_threads()``). Same contract and outputs as
+:func:`kernels.paged.paged_attention` (``scores`` "probs" / "logits", ``return_lse``), fp32 only.
+
+The shared library is compiled once per source, flags and machine (``-march=native``: it is keyed by the
+CPU's feature flags) into ``$DMC_KERNELS_CACHE`` (default ``~/.cache/dmc_train/kernels``), written atomically,
+and loaded with ctypes. Without a C compiler (or if the build fails) :func:`library` warns once and returns
+None: the PyTorch path runs instead. ``CC`` picks the compiler (default ``cc``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ._checks import pack_outputs
+
+SOURCE = Path(__file__).with_name("cpu_kernel.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+MAX_GROUPS = 256  # query heads per KV head: their running max and sum (and a page of logits each) on the stack
+SCORE_MODES = {None: 0, "probs": 1, "logits": 2}
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags (what ``-march=native`` compiles for), so a library built on another machine
+    sharing the cache directory is never loaded here."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return os.uname().machine.encode()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DMC_KERNELS_CACHE") or Path.home() / ".cache" / "dmc_train" / "kernels")
+
+
+def _build(compiler: str, target: Path) -> Optional[str]:
+    """Compile :data:`SOURCE` into ``target`` (atomically: a temporary file, then a rename); the compiler's
+    first error line on failure, else None."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if result.returncode != 0:
+            lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
+            return lines[0] if lines else f"exit status {result.returncode}"
+        os.replace(tmp, target)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernel (built on first use), or None (with one warning) when it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("no C compiler (cc) found: paged decode attention on CPU runs its PyTorch path, slower; "
+                      "install gcc or set CC to use the compiled kernel", stacklevel=2)
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_flags()).hexdigest()
+    path = cache_dir() / f"paged_cpu_{key[:16]}.so"
+    try:
+        error = None if path.exists() else _build(compiler, path)
+    except OSError as e:
+        error = str(e)
+    if error is not None:
+        warnings.warn(f"building the CPU paged-attention kernel failed ({error}): its PyTorch path runs instead; "
+                      f"check the C compiler ({compiler}) and that {cache_dir()} is writable (DMC_KERNELS_CACHE)",
+                      stacklevel=2)
+        return None
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                                     ptr, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.paged_decode_f32.restype = ctypes.c_int
+    return lib
+
+
+def cpu_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when paged decode attention on tensors of ``device`` and ``dtype`` (the pages') runs this kernel."""
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+
+
+def cpu_kernel_fits(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    """True when this kernel takes these inputs (CPU, fp32, at most :data:`MAX_GROUPS` query heads per row)."""
+    return (q.dtype == k_pages.dtype == v_pages.dtype == torch.float32 and q.shape[1] <= MAX_GROUPS
+            and not (q.requires_grad and torch.is_grad_enabled())  # no backward: autograd takes the PyTorch path
+            and cpu_kernel_runs(q.device, q.dtype))
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float, scores: str | None = None,
+                        return_lse: bool = False):
+    """:func:`kernels.paged.paged_attention` by the compiled kernel (inputs as there; :func:`cpu_kernel_fits`)."""
+    R, G, d = q.shape
+    dv = v_pages.shape[2]
+    q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    out = torch.empty(R, G, dv)
+    lse = torch.empty(R, G) if return_lse else None
+    width = int(lens.max()) if scores is not None and R else 0
+    s = torch.empty(R, width) if scores is not None else None
+    failed = library().paged_decode_f32(
+        q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table.data_ptr(), table.stride(0) if R else 0,
+        lens.data_ptr(), R, G, d, dv, k_pages.shape[1], scale, out.data_ptr(), _ptr(lse), _ptr(s), width,
+        SCORE_MODES[scores], torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"paged attention on CPU: no memory for the scores of {R} rows of up to {width} entries")
+    return pack_outputs(out, s, lse)

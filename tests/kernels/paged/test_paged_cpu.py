@@ -1,0 +1,90 @@
+"""The compiled CPU kernel (kernels/paged/cpu.py): built here, chosen on CPU for fp32, rows read in place, and a
+build that fails falls back to PyTorch with one warning."""
+
+import pytest
+import torch
+
+from kernels.backend import set_backend
+from kernels.paged import (
+    cpu,
+    paged_attention,
+    paged_attention_planned,
+    paged_decode_plan,
+    reads_block_table,
+    reference_paged_attention,
+)
+from tests.kernels.paged.test_paged_attention import make_case, ragged_lens
+
+
+def test_the_kernel_builds_and_runs_for_fp32_on_cpu():
+    assert cpu.library() is not None, "the CPU kernel did not build (is a C compiler installed?)"
+    assert reads_block_table(torch.device("cpu"), torch.float32)
+    assert not reads_block_table(torch.device("cpu"), torch.bfloat16)
+    q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=4, seed=3)
+    out = paged_attention(q, kp, vp, bt, lens)
+    assert torch.equal(out, cpu.paged_attention_cpu(q, kp, vp, bt, lens, q.shape[-1] ** -0.5))  # what auto ran
+    torch.testing.assert_close(out, reference_paged_attention(q, kp, vp, bt, lens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_plan_keeps_only_the_table_and_rows_read_their_own_pages():
+    """Several layers' tables in one plan, rows of every length (no padding to the longest, no groups): each
+    layer picked by ``index`` equals the reference over its own table."""
+    cases = [make_case(ragged_lens(16), G=2, seed=s) for s in (1, 2)]
+    q, kp, vp, _, lens, _ = cases[0]
+    tables = torch.stack([bt for *_, bt, _, _ in cases]).to(torch.int32)  # [layers, R, max_pages]
+    plan = paged_decode_plan(tables, lens, 16, 16 * (8 + 12) * 4, torch.float32)
+    assert plan.groups == [] and plan.max_len == -1
+    for layer in range(2):
+        kp_l, vp_l = cases[layer][1], cases[layer][2]
+        got = paged_attention_planned(q, kp_l, vp_l, plan, 0.5, scores="probs", return_lse=True, index=layer)
+        ref = reference_paged_attention(q, kp_l, vp_l, tables[layer], lens, 0.5, scores="probs", return_lse=True)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert paged_decode_plan(tables[0], lens, 16, 16 * 20 * 4).groups, "no dtype: the PyTorch path's plan"
+
+
+def test_bf16_pages_and_autograd_take_the_pytorch_path():
+    q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), seed=4)
+    plan = paged_decode_plan(bt, lens, 16, 16 * 20 * 2, torch.bfloat16)
+    assert plan.groups and plan.max_len == max(ragged_lens(16))
+    q = q.requires_grad_()
+    paged_attention(q, kp, vp, bt, lens).sum().backward()  # the kernel has no backward: PyTorch's path ran
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    monkeypatch.setenv("DMC_KERNELS_CACHE", str(tmp_path))
+    cpu.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="building the CPU paged-attention kernel failed"):
+            assert cpu.library() is None
+        assert not reads_block_table(torch.device("cpu"), torch.float32)
+        q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), seed=6)
+        torch.testing.assert_close(paged_attention(q, kp, vp, bt, lens), reference_paged_attention(q, kp, vp, bt, lens),
+                                   rtol=1e-5, atol=1e-5)
+        assert list(tmp_path.iterdir()) == []  # no partial library left behind
+    finally:
+        cpu.library.cache_clear()
+
+
+def test_the_library_is_built_once_into_the_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("DMC_KERNELS_CACHE", str(tmp_path))
+    cpu.library.cache_clear()
+    try:
+        assert cpu.library() is not None
+        built = list(tmp_path.iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        stamp = built[0].stat().st_mtime_ns
+        cpu.library.cache_clear()
+        assert cpu.library() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        cpu.library.cache_clear()
+
+
+def test_the_torch_backend_skips_the_kernel():
+    set_backend("torch")
+    try:
+        assert not reads_block_table(torch.device("cpu"), torch.float32)
+    finally:
+        set_backend("auto")
