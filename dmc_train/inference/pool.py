@@ -162,35 +162,38 @@ class PagePool:
             self.peak_pages = max(self.peak_pages, self.used_pages)
         self.seq_lens[rows] = new_lens.to(torch.int32)
 
-    def reserve_next(self, rows: torch.Tensor) -> bool:
+    def reserve_next(self, rows: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Give each of ``rows [n]`` whose last page is full the page its next entry would take, its length
-        unchanged (a decode step whose rows grow by at most one entry each, decided later: DMC); :meth:`trim`
-        returns the pages left unused. Returns False (and changes nothing) when such a row already holds the
+        unchanged (a decode step whose rows grow by at most one entry each, decided later: DMC). Returns the
+        reservation ``(rows [m], index [m])`` (which rows got a page, at which block-table column; empty when
+        none needed one), for :meth:`return_unused`; None (changing nothing) when such a row already holds the
         model's positions; raises :class:`OutOfPages` (changing nothing) when the free list is too short.
-        Between :meth:`reserve_next` and :meth:`trim` a row may hold one page past ``pages_for(seq_lens)``: it
-        grows into it by its length alone (``seq_lens``, not :meth:`grow`, which would take another page)."""
+        Until :meth:`return_unused` a row may hold one page past ``pages_for(seq_lens)``: it grows into it by
+        its length alone (``seq_lens``, not :meth:`grow`, which would take another page)."""
         lens = self.seq_lens[rows].long()
         full = lens % self.page_size == 0
         rows, index = rows[full], lens[full] // self.page_size
         if not len(rows):
-            return True
+            return rows, index
         if int(index.max()) >= self.max_pages_per_row:
-            return False
+            return None
         if len(rows) > len(self.free_pages):
             raise OutOfPages(f"out of KV pages: {len(rows)} needed, {len(self.free_pages)} free of {self.num_pages}")
         pages = self.free_pages[: -len(rows) - 1: -1]  # the pages pop() would take, in row order
         del self.free_pages[-len(rows):]
         self.block_table[rows, index] = torch.tensor(pages, dtype=torch.int32)
-        return True
+        return rows, index
 
-    def trim(self, rows: torch.Tensor) -> None:
-        """Return the pages of ``rows [n]`` past those their lengths need (:meth:`reserve_next`'s unused ones) to
-        the free list, then count the peak."""
-        table = self.block_table[rows]  # [n, max_pages]
-        past = torch.arange(table.shape[1], device=table.device) >= self.pages_for(self.seq_lens[rows])[:, None]
-        extra = past & (table >= 0)
-        self.free_pages.extend(table[extra].tolist())
-        self.block_table[rows] = table.masked_fill(past, -1)
+    def return_unused(self, reserved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Return the pages of a :meth:`reserve_next` reservation that their rows did not grow into (length still
+        at most the page's first entry) to the free list, then count the peak. Nothing to do (no tensor call)
+        when nothing was reserved: most decode steps."""
+        rows, index = reserved
+        if len(rows):
+            unused = self.seq_lens[rows].long() <= index * self.page_size
+            rows, index = rows[unused], index[unused]
+            self.free_pages.extend(self.block_table[rows, index].tolist())
+            self.block_table[rows, index] = -1
         self.peak_pages = max(self.peak_pages, self.used_pages)
 
     # -- reading and writing entries --------------------------------------------------------------

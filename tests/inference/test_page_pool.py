@@ -70,15 +70,17 @@ def test_a_byte_budget_becomes_whole_pages_in_the_pool():
 
 
 def test_a_reserved_next_page_is_returned_unless_the_row_grew_into_it():
-    """reserve_next gives a page only to rows whose last page is full; trim returns the ones left unused, and
-    the peak counts only pages that held entries."""
+    """reserve_next gives a page only to rows whose last page is full; return_unused returns the ones left
+    unused, and the peak counts only pages that held entries."""
     p = pool(num_pages=8, rows=3)
     rows = p.new_rows(3)
     p.grow(rows, torch.tensor([16, 5, 32]))  # full, not full, full: 1 + 1 + 2 pages
-    assert p.reserve_next(rows) and p.used_pages == 6 and len(p.free_pages) == 2
+    reserved = p.reserve_next(rows)
+    assert p.used_pages == 6 and len(p.free_pages) == 2
+    assert reserved[0].tolist() == rows[[0, 2]].tolist() and reserved[1].tolist() == [1, 2]
     assert (p.block_table[rows[[0, 2]], torch.tensor([1, 2])] >= 0).all() and p.block_table[rows[1], 1] == -1
     p.seq_lens[rows[0]] = 17  # row 0 grows into its reserved page (by its length alone), row 2 does not
-    p.trim(rows)
+    p.return_unused(reserved)
     assert p.used_pages == 5 == p.pages_of(rows) and p.peak_pages == 5
     assert p.block_table[rows[2], 2] == -1
     p.free_rows(rows)
@@ -96,4 +98,4 @@ def test_reserving_changes_nothing_when_pages_or_positions_run_out():
     big = pool(num_pages=4, rows=1, entries=32)
     row = big.new_rows(1)
     big.grow(row, torch.tensor([32]))  # at the model's positions: no next page to reserve
-    assert not big.reserve_next(row) and big.used_pages == 2
+    assert big.reserve_next(row) is None and big.used_pages == 2

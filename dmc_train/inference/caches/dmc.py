@@ -58,7 +58,8 @@ class _DecodeStep:
     rows per layer, sequence-major). ``rows [L, R]``; ``lens [L, R]`` int64: the rows' lengths, set by each
     layer's ``decode`` to those after the step; ``state [L, R, ring, d + d_v + 1]`` and ``tokens [L, R]``: the
     rows' open-slot state, side by side (:func:`kernels.paged.dmc_open_slot_step`), written back by
-    ``end_decode``; ``ones [B, H_kv, 1]``: the column that gives a token's omega in the state. ``layers``: per layer
+    ``end_decode``; ``ones [B, H_kv, 1]``: the column that gives a token's omega in the state; ``reserved``: the pages
+    :meth:`PagePool.reserve_next` gave (returned by ``end_decode`` if unused). ``layers``: per layer
     ``(rows, lens, grown, merge_slot, append_slot, state, tokens, pages)``, views of the above (no call per layer
     to take them), where ``grown [R]`` is ``lens + 1`` (an append's length), ``merge_slot`` / ``append_slot [R]``
     are the flat page slots of the open slot's entry after a merge (entry ``len - 1``) and after an append (entry
@@ -71,6 +72,7 @@ class _DecodeStep:
     state: torch.Tensor
     tokens: torch.Tensor
     ones: torch.Tensor
+    reserved: tuple
     layers: list
 
 
@@ -131,16 +133,17 @@ class DMCCache(KVCache):
         self.open_tokens[rows] = length
 
     def begin_decode(self, seq_ids):
-        """Once per step for every layer (PyTorch path; the Triton kernels run per layer): each row whose last
-        page is full gets the page an append would take (:meth:`PagePool.reserve_next`; :meth:`end_decode`
-        returns the unused ones), the open slot's two possible entries are located, the open-slot state is
-        gathered, and the attention's pages are chosen at every row's most entries (length + 1). A layer's
-        :meth:`decode` then takes no page, reads nothing on the host but its plan's longest row, and writes one
-        entry per row."""
+        """Once per step for every layer (CPU; the Triton kernels run per layer): each row whose last page is
+        full gets the page an append would take (:meth:`PagePool.reserve_next`; :meth:`end_decode` returns the
+        unused ones), the open slot's two possible entries are located, the open-slot state is gathered, and
+        (PyTorch attention path) the attention's pages are chosen at every row's most entries (length + 1). A
+        layer's :meth:`decode` then takes no page, reads nothing on the host but (PyTorch path) its plan's
+        longest row, and writes one entry per row."""
         if use_triton(self.pool.k_pages.device):
             return
         rows = self.batch_rows(seq_ids).transpose(0, 1).reshape(self.num_layers, -1)  # [L, B * H_kv]
-        if not self.pool.reserve_next(rows.flatten()):  # a row at the model's positions: per-layer path
+        reserved = self.pool.reserve_next(rows.flatten())
+        if reserved is None:  # a row at the model's positions: per-layer path
             return
         try:
             lens = self.pool.seq_lens[rows].long()
@@ -151,9 +154,9 @@ class DMCCache(KVCache):
             views = [rows, lens, grown, *slots.unbind(-1), state, tokens]
             per_layer = zip(*(t.unbind() for t in views), [None] * len(rows) if pages is None else pages.unbind())
             ones = torch.ones(len(seq_ids), self.num_kv_heads, 1, dtype=self.pool.dtype)
-            self._step = _DecodeStep(tuple(seq_ids), rows, lens, state, tokens, ones, list(per_layer))
+            self._step = _DecodeStep(tuple(seq_ids), rows, lens, state, tokens, ones, reserved, list(per_layer))
         except BaseException:
-            self.pool.trim(rows.flatten())
+            self.pool.return_unused(reserved)
             raise
 
     def end_decode(self):
@@ -165,7 +168,7 @@ class DMCCache(KVCache):
         self.pool.seq_lens[rows] = step.lens.to(torch.int32)
         self.open_state[rows] = step.state
         self.open_tokens[rows] = step.tokens
-        self.pool.trim(rows.flatten())
+        self.pool.return_unused(step.reserved)
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         step = self._step
