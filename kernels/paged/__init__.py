@@ -40,8 +40,9 @@ kernel for fp32 decode attention and PyTorch for the rest):
 - :func:`paged_write`: store entries at positions of rows (append; an eviction policy's in-place
   overwrite). PyTorch: ``writes.py``.
 - :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append) and the
-  open slot's normalised state into its page entry. PyTorch: ``writes.py`` (whose :func:`dmc_open_slot_step`,
-  the state update alone on rows gathered side by side, a caller may run on a step's own copy of the state).
+  open slot's normalised state into its page entry. CPU, fp32 pages: ``cpu.py`` (one call); PyTorch:
+  ``writes.py`` (whose :func:`dmc_open_slot_step`, the state update alone on rows gathered side by side, a
+  caller may run on a step's own copy of the state).
 - :func:`one_group_pages` + :func:`one_group_plan` (PyTorch path): the pages one group of rows reads when their
   lengths are decided later, at most a capacity each (every layer of a DMC decode step, planned once), and
   the plan of the lengths they then hold (only the tail mask is recomputed).
@@ -63,7 +64,7 @@ from kernels.backend import get_backend, use_triton
 
 from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores
 from .column_sums import attention_column_sums_torch
-from .cpu import cpu_kernel_fits, cpu_kernel_runs, paged_attention_cpu
+from .cpu import cpu_kernel_fits, cpu_kernel_runs, dmc_cache_update_cpu, dmc_update_fits, paged_attention_cpu
 from .flash import flash_fits, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
 from .varlen import DecodePlan, attend_planned, one_group_pages, one_group_plan, paged_attention_torch, plan_decode
@@ -241,5 +242,8 @@ def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
     """
     if open_k.dtype != torch.float32 or open_tokens.dtype != torch.int64:
         raise ValueError("the open-slot state must be float32 (open_k/open_v/open_w) and int64 (open_tokens)")
+    if get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_k, open_v, open_w):
+        return dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v, open_k,
+                                    open_v, open_w, open_tokens)
     _impl("dmc_cache_update", k_pages.device)(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
                                               open_k, open_v, open_w, open_tokens)

@@ -1,11 +1,13 @@
-"""Paged decode attention compiled for the CPU: ``cpu_kernel.c``, built on first use with the system's C compiler.
+"""Paged decode ops compiled for the CPU: ``cpu_kernel.c``, built on first use with the system's C compiler.
 
 The PyTorch path (``varlen.py``) gathers every row's pages into a padded copy and attends with batched matmuls;
 on CPU that costs a copy of the cache per layer, padding when rows hold different lengths (DMC's heads, an
 eviction policy's rows), and a plan of row groups per call. This kernel does what the Triton kernel does on
 GPUs: each row reads its own pages in place, page by page with an online softmax, rows spread over the
 OpenMP threads (as many as ``torch.get_num_threads()``). Same contract and outputs as
-:func:`kernels.paged.paged_attention` (``scores`` "probs" / "logits", ``return_lse``), fp32 only.
+:func:`kernels.paged.paged_attention` (``scores`` "probs" / "logits", ``return_lse``), fp32 only. Beside it,
+DMC's decode-step update (:func:`kernels.paged.dmc_cache_update`: Algorithm 1 on each row's open slot, in the
+cache's own state, and the slot's entry written) in one call instead of a dozen tensor ops.
 
 The shared library is compiled once per source, flags and machine (``-march=native``: it is keyed by the
 CPU's feature flags) into ``$DMC_KERNELS_CACHE`` (default ``~/.cache/dmc_train/kernels``), written atomically,
@@ -31,7 +33,8 @@ import torch
 from ._checks import pack_outputs
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+# -ffp-contract=off: products rounded before they are added, as the PyTorch paths' elementwise ops (DMC's state)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 MAX_GROUPS = 256  # query heads per KV head: their running max and sum (and a page of logits each) on the stack
 SCORE_MODES = {None: 0, "probs": 1, "logits": 2}
 
@@ -92,6 +95,9 @@ def library() -> Optional[ctypes.CDLL]:
     lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                      ptr, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.paged_decode_f32.restype = ctypes.c_int
+    lib.dmc_update_f32.argtypes = [ptr] * 6 + [i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                               i64, i64, i64, i64, i64]
+    lib.dmc_update_f32.restype = None
     return lib
 
 
@@ -132,3 +138,25 @@ def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float
     if failed:
         raise MemoryError(f"paged attention on CPU: no memory for the scores of {R} rows of up to {width} entries")
     return pack_outputs(out, s, lse)
+
+
+def dmc_update_fits(k_pages, block_table, seq_lens, open_k, open_v, open_w) -> bool:
+    """True when this kernel takes :func:`kernels.paged.dmc_cache_update`'s inputs: fp32 pages on CPU, the pool's
+    int32 block table and lengths, and each state tensor's last dim contiguous."""
+    return (block_table.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+            and block_table.stride(-1) == 1 and open_k.stride(-1) == open_v.stride(-1) == 1
+            and cpu_kernel_runs(k_pages.device, k_pages.dtype))
+
+
+def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
+                         open_k, open_v, open_w, open_tokens) -> None:
+    """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`dmc_update_fits`)."""
+    n, d = k.shape
+    rows, append = rows.to(torch.int64).contiguous(), append.to(torch.bool).contiguous()
+    omega, k, v = (t.to(torch.float32).contiguous() for t in (omega, k, v))
+    library().dmc_update_f32(
+        rows.data_ptr(), append.data_ptr(), omega.data_ptr(), k.data_ptr(), v.data_ptr(),
+        open_k.data_ptr(), open_k.stride(0), open_k.stride(1), open_v.data_ptr(), open_v.stride(0), open_v.stride(1),
+        open_w.data_ptr(), open_w.stride(0), open_w.stride(1), open_tokens.data_ptr(), seq_lens.data_ptr(),
+        block_table.data_ptr(), block_table.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), n, open_k.shape[1],
+        d, v.shape[1], k_pages.shape[1])

@@ -1,4 +1,5 @@
-/* Paged decode attention on CPU: each row reads its own pages in place (no gather, no padding).
+/* Paged decode ops on CPU: attention where each row reads its own pages in place (no gather, no padding), and
+ * DMC's decode-step update (Algorithm 1) of each row's open slot, written into its page entry.
  *
  * Built and loaded by cpu.py (which states the layouts); fp32 throughout. Row r (one sequence's KV head,
  * its G query heads) is attended page by page with an online softmax: per page, the logits of its entries
@@ -101,4 +102,52 @@ int paged_decode_f32(const float *q, const float *k_pages, const float *v_pages,
     free(kept);
   }
   return failed;
+}
+
+/* One DMC decode step per row (kernels/paged/writes.py, dmc_cache_update_torch, is the same in tensor ops):
+ * rows [n] int64, append [n] bool, omega [n], k [n, d], v [n, dv] (contiguous); the open-slot state of pool row
+ * `row` at open_k + row * sk_row (ring slot j at + j * sk_ring, d values), open_v likewise (dv values), open_w
+ * (one value per slot), open_tokens [rows] int64; seq_lens [rows] int32 already count the step. An append
+ * zeroes the state and the token count; the weighted [k | v | 1] then adds to the sums (ring 1: exact) or
+ * replaces the ring slot tokens % ring (window); the normalised state, sum u / sum z over the ring, goes
+ * into entry seq_lens[row] - 1 of the row's pages. */
+void dmc_update_f32(const int64_t *rows, const uint8_t *append, const float *omega, const float *k,
+                    const float *v, float *open_k, int64_t sk_row, int64_t sk_ring, float *open_v,
+                    int64_t sv_row, int64_t sv_ring, float *open_w, int64_t sw_row, int64_t sw_ring,
+                    int64_t *open_tokens, const int32_t *seq_lens, const int32_t *block_table,
+                    int64_t table_stride, float *k_pages, float *v_pages, int64_t n, int64_t ring, int64_t d,
+                    int64_t dv, int64_t page_size) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t row = rows[r];
+    float *uk = open_k + row * sk_row, *uv = open_v + row * sv_row, *z = open_w + row * sw_row;
+    if (append[r]) {
+      for (int64_t j = 0; j < ring; ++j) {
+        memset(uk + j * sk_ring, 0, sizeof(float) * d);
+        memset(uv + j * sv_ring, 0, sizeof(float) * dv);
+        z[j * sw_ring] = 0.f;
+      }
+      open_tokens[row] = 0;
+    }
+    const int64_t slot = ring == 1 ? 0 : open_tokens[row] % ring;
+    const float w = omega[r];
+    float *sk = uk + slot * sk_ring, *sv = uv + slot * sv_ring;
+    for (int64_t c = 0; c < d; ++c) sk[c] = (ring == 1 ? sk[c] : 0.f) + k[r * d + c] * w;
+    for (int64_t c = 0; c < dv; ++c) sv[c] = (ring == 1 ? sv[c] : 0.f) + v[r * dv + c] * w;
+    z[slot * sw_ring] = (ring == 1 ? z[slot * sw_ring] : 0.f) + w;
+    open_tokens[row] += 1;
+    const int64_t entry = seq_lens[row] - 1;
+    const int64_t at = (int64_t)block_table[row * table_stride + entry / page_size] * page_size + entry % page_size;
+    float *k_out = k_pages + at * d, *v_out = v_pages + at * dv, total = 0.f;
+    for (int64_t j = 0; j < ring; ++j) total += z[j * sw_ring];
+    for (int64_t c = 0; c < d; ++c) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < ring; ++j) sum += uk[j * sk_ring + c];
+      k_out[c] = sum / total;
+    }
+    for (int64_t c = 0; c < dv; ++c) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < ring; ++j) sum += uv[j * sv_ring + c];
+      v_out[c] = sum / total;
+    }
+  }
 }

@@ -13,12 +13,15 @@ the pages each row keeps the open slot's exact running state in fp32:
 Decode (one token per sequence): hard decision ``alpha = 1`` merges into the open slot, ``0`` closes
 it and appends a new one. **RoPE order** ``pre`` (the authors' order): the keys arrive raw, the open
 slot's state stays raw and its page entry is its rotation at the current position; a closed slot
-keeps the rotation at its segment's last token. **Once per decode step** (:meth:`DMCCache.begin_decode`, PyTorch
-path): the pages an append may take are reserved, the state gathered and the attention's pages chosen for every
-layer, so a layer takes no page and plans only its tail mask; :meth:`DMCCache.end_decode` writes back and
-returns the unused pages (same results as each layer alone). **Parallel prefill**: the decisions and the
-accumulation for the whole prompt in one pass (:func:`teacher_forced_dmc`, the chunked scan of
-``kernels.dmc``), then only the closed slots and the open slot's state are written — never token by token.
+keeps the rotation at its segment's last token. **Once per decode step** (:meth:`DMCCache.begin_decode`): the
+pages an append may take are reserved, so a layer takes no page. With kernels that read the block table (the
+compiled CPU kernels, Triton) a layer is then two kernel calls, the update in the cache's own state
+(:func:`kernels.paged.dmc_cache_update`) and the attention over each row's own entries; on the PyTorch path
+the state is gathered and the attention's pages chosen for every layer, so a layer plans only its tail mask.
+:meth:`DMCCache.end_decode` writes back and returns the unused pages (same results as each layer alone).
+**Parallel prefill**: the decisions and the accumulation for the whole prompt in one pass
+(:func:`teacher_forced_dmc`, the chunked scan of ``kernels.dmc``), then only the closed slots and the open
+slot's state are written — never token by token.
 """
 
 from __future__ import annotations
@@ -31,9 +34,8 @@ import torch
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
 from dmc_train.models.dmc_settings import DMCSettings
-from kernels.backend import use_triton
 from kernels.dmc import dmc_attention, partial_accumulation
-from kernels.paged import dmc_cache_update, dmc_open_slot_step
+from kernels.paged import dmc_cache_update, dmc_open_slot_step, reads_block_table
 
 
 def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo, settings: DMCSettings,
@@ -82,7 +84,8 @@ class DMCCache(KVCache):
     name = "dmc"
     needs_decisions = True
     prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
-    _step: Optional[_DecodeStep] = None  # the decode step begun
+    _step: Optional[_DecodeStep] = None  # the decode step begun (PyTorch attention path)
+    _reserved: Optional[tuple] = None  # (seq_ids, reservation) of the decode step begun (kernel path)
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)
@@ -133,17 +136,20 @@ class DMCCache(KVCache):
         self.open_tokens[rows] = length
 
     def begin_decode(self, seq_ids):
-        """Once per step for every layer (CPU; the Triton kernels run per layer): each row whose last page is
-        full gets the page an append would take (:meth:`PagePool.reserve_next`; :meth:`end_decode` returns the
-        unused ones), the open slot's two possible entries are located, the open-slot state is gathered, and
-        (PyTorch attention path) the attention's pages are chosen at every row's most entries (length + 1). A
-        layer's :meth:`decode` then takes no page, reads nothing on the host but (PyTorch path) its plan's
-        longest row, and writes one entry per row."""
-        if use_triton(self.pool.k_pages.device):
-            return
+        """Once per step for every layer: each row whose last page is full gets the page an append would take
+        (:meth:`PagePool.reserve_next`; :meth:`end_decode` returns the unused ones). When the kernels read each
+        row's pages through the block table (the compiled CPU kernels, Triton:
+        :func:`kernels.paged.reads_block_table`) that is all: a layer updates the cache's own state and attends
+        in two kernel calls. On the PyTorch path the open slot's two possible entries are also located, the
+        open-slot state is gathered (written back by :meth:`end_decode`), and the attention's pages are chosen at
+        every row's most entries (length + 1): a layer's :meth:`decode` then reads nothing on the host but its
+        plan's longest row."""
         rows = self.batch_rows(seq_ids).transpose(0, 1).reshape(self.num_layers, -1)  # [L, B * H_kv]
         reserved = self.pool.reserve_next(rows.flatten())
         if reserved is None:  # a row at the model's positions: per-layer path
+            return
+        if reads_block_table(self.pool.k_pages.device, self.pool.dtype):
+            self._reserved = (tuple(seq_ids), reserved)
             return
         try:
             lens = self.pool.seq_lens[rows].long()
@@ -160,8 +166,12 @@ class DMCCache(KVCache):
             raise
 
     def end_decode(self):
-        """Write the step's lengths and open-slot state back; return the reserved pages no row appended to."""
+        """Write the step's lengths and open-slot state back (PyTorch path); return the reserved pages no row
+        appended to."""
         step, self._step = self._step, None
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None:
+            self.pool.return_unused(reserved[1])
         if step is None:
             return
         rows = step.rows
@@ -173,7 +183,8 @@ class DMCCache(KVCache):
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         step = self._step
         if step is None or step.seq_ids != tuple(seq_ids):
-            return self._decode_layer(layer, seq_ids, q, k, v, info)
+            reserved = self._reserved is not None and self._reserved[0] == tuple(seq_ids)
+            return self._decode_layer(layer, seq_ids, q, k, v, info, reserved)
         rows, lens, grown, merge_slot, append_slot, state, tokens, pages = step.layers[layer]
         b, h, d = q.shape
         append = torch.logical_not(info.alpha).reshape(-1)  # alpha is 0. or 1.
@@ -188,11 +199,16 @@ class DMCCache(KVCache):
         out = self.pool.attend_planned(plan, q.view(len(append), h // self.num_kv_heads, d), self.scale)
         return out.view(b, h, -1)
 
-    def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo):
-        """:meth:`decode` of one layer without :meth:`begin_decode`: grow, update and attend (same results)."""
+    def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo, reserved: bool = False):
+        """:meth:`decode` of one layer by :func:`kernels.paged.dmc_cache_update` on the cache's own state: grow
+        (``reserved``: the rows already hold the page an append takes, :meth:`begin_decode`; they grow by their
+        lengths alone), update and attend. Without :meth:`begin_decode`: the same results."""
         rows = self.layer_rows(layer, seq_ids).flatten()
         append = info.alpha.reshape(-1) == 0
-        self.pool.grow(rows, self.pool.seq_lens[rows].long() + append.long())
+        if reserved:
+            self.pool.seq_lens.index_add_(0, rows, append.to(torch.int32))
+        else:
+            self.pool.grow(rows, self.pool.seq_lens[rows].long() + append.long())
         dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
                          append, info.omega.reshape(-1), k.reshape(len(rows), -1), v.reshape(len(rows), -1),
                          self.open_k, self.open_v, self.open_w, self.open_tokens)
@@ -201,4 +217,6 @@ class DMCCache(KVCache):
             positions = info.positions.repeat_interleave(self.num_kv_heads)
             self.pool.write(rows, self.pool.seq_lens[rows] - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
                             self.open_v[rows].sum(1) / z)
-        return self.attend_paged(rows.view(len(seq_ids), -1), q)
+        b, h, d = q.shape
+        out = self.pool.attend_planned(self.pool.plan(rows), q.view(len(rows), h // self.num_kv_heads, d), self.scale)
+        return out.view(b, h, -1)

@@ -7,6 +7,7 @@ import torch
 from kernels.backend import set_backend
 from kernels.paged import (
     cpu,
+    dmc_cache_update,
     paged_attention,
     paged_attention_planned,
     paged_decode_plan,
@@ -88,3 +89,35 @@ def test_the_torch_backend_skips_the_kernel():
         assert not reads_block_table(torch.device("cpu"), torch.float32)
     finally:
         set_backend("auto")
+
+
+@pytest.mark.parametrize("ring", [1, 3])
+@pytest.mark.parametrize("pattern", ["append", "merge", "alternate", "random"])
+def test_the_dmc_update_equals_the_pytorch_path_bit_for_bit(ring, pattern):
+    """20 decode steps of 3 rows of a pool (the first opens a slot), the state as the DMC cache keeps it (views of
+    one side-by-side buffer): pages, lengths, state and token counts equal, bit for bit."""
+    d, dv, page_size = 8, 6, 4
+    results = []
+    for use in ("torch", "auto"):
+        set_backend(use)
+        try:
+            g = torch.Generator().manual_seed(ring)
+            k_pages, v_pages = torch.zeros(24, page_size, d), torch.zeros(24, page_size, dv)
+            table = torch.arange(24, dtype=torch.int32).view(4, 6)
+            lens = torch.zeros(4, dtype=torch.int32)
+            side_by_side = torch.zeros(4, ring, d + dv + 1)
+            state = (side_by_side[..., :d], side_by_side[..., d:-1], side_by_side[..., -1],
+                     torch.zeros(4, dtype=torch.long))
+            rows = torch.tensor([2, 0, 3])
+            for t in range(20):
+                append = {"append": torch.ones(3, dtype=torch.bool), "merge": torch.zeros(3, dtype=torch.bool),
+                          "alternate": torch.full((3,), t % 2 == 0),
+                          "random": torch.rand(3, generator=g) < 0.4}[pattern] | (t == 0)
+                lens[rows] += append.int()
+                dmc_cache_update(k_pages, v_pages, table, lens, rows, append, torch.rand(3, generator=g) + 0.1,
+                                 torch.randn(3, d, generator=g), torch.randn(3, dv, generator=g), *state)
+            results.append((k_pages, v_pages, lens, side_by_side, state[-1]))
+        finally:
+            set_backend("auto")
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
