@@ -8,6 +8,7 @@ import torch
 from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import DMCCache, FullCache
 from dmc_train.inference.pool import PagePool
+from kernels.backend import set_backend
 from tests.inference.conftest import SHAPE
 
 DMC_VARIANTS = ["dmc_exact", "dmc_window", "dmc_hardc", "dmc_pre", "dmc_pre_window", "fixed_pooling"]
@@ -133,11 +134,20 @@ def test_pre_rope_order_rotates_accumulated_raw_keys(make_model):
         torch.testing.assert_close(slots[i], pre.rope(mean, torch.tensor(b)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["auto", "torch"], ids=["cpu_kernels", "torch"])
+def kernels_backend(request):
+    """The kernels' backend for the test: ``auto`` (on CPU the compiled kernels) or ``torch`` (PyTorch paths)."""
+    set_backend(request.param)
+    yield request.param
+    set_backend("auto")
+
+
 @pytest.mark.parametrize("variant", DMC_VARIANTS)
-def test_dmc_decode_step_planned_once_equals_the_per_layer_path(make_model, variant):
-    """begin_decode (pages reserved, state gathered, attention pages chosen once per step for every layer) gives
-    the logits, pages, open-slot state and page accounting of each layer growing and attending alone (the
-    path without begin_decode, and the Triton kernels' path); rows cross page boundaries on the way."""
+def test_dmc_decode_step_planned_once_equals_the_per_layer_path(make_model, variant, kernels_backend):
+    """begin_decode (pages reserved once per step for every layer; on the PyTorch path also the state gathered
+    and the attention pages chosen) gives the logits, pages, open-slot state and page accounting of each layer
+    growing and attending alone (the path without begin_decode); rows cross page boundaries on the way. With
+    the compiled CPU kernels and with the PyTorch paths."""
     model = make_model(variant)
     g = torch.Generator().manual_seed(7)
     sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (70, 41, 55)]
