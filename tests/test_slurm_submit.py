@@ -261,11 +261,13 @@ while not got and time.time() < deadline:
 open(sys.argv[1], "w").write("got SIGUSR1" if got else "timeout")
 """
 
-# like torchrun: starts the rank in its own session (after a while: its imports and rendezvous), waits for
-# it, no SIGUSR1 handler of its own
+# like torchrun: starts the rank in its own session (once the file FAKE_TORCHRUN_GO exists: the test holds it
+# back as long as torchrun's imports and rendezvous would), waits for it, no SIGUSR1 handler of its own
 FAKE_TORCHRUN = """
 import os, subprocess, sys, time
-time.sleep(float(os.environ.get("FAKE_TORCHRUN_DELAY", "0")))
+deadline = time.time() + 30
+while not os.path.exists(os.environ["FAKE_TORCHRUN_GO"]) and time.time() < deadline:
+    time.sleep(0.01)
 rank = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]], start_new_session=True)
 sys.exit(rank.wait())
 """
@@ -289,9 +291,10 @@ def test_node_wrapper_hands_sigusr1_to_the_ranks(tmp_path, moment):
     (tmp_path / "worker.py").write_text(WORKER)
     (bin_dir / "torchrun").write_text(f"#!{sys.executable}\n" + FAKE_TORCHRUN)
     (bin_dir / "torchrun").chmod(0o755)
-    result = tmp_path / "rank0"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "FAKE_TORCHRUN_DELAY": "1" if moment == "before_the_rank" else "0"}
+    result, go = tmp_path / "rank0", tmp_path / "torchrun_go"
+    if moment == "rank_ready":
+        go.touch()  # torchrun starts its rank at once
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_TORCHRUN_GO": str(go)}
     # exactly as the job runs it: the wrapper's text with bash -c
     wrapper = subprocess.Popen(["bash", "-c", slurm.read_node_wrapper(), "torchrun_node.sh",
                                 str(tmp_path / "worker.py"), str(result)],
@@ -304,6 +307,8 @@ def test_node_wrapper_hands_sigusr1_to_the_ranks(tmp_path, moment):
         os.killpg(wrapper.pid, signal.SIGUSR1)  # what proctrack/pgid does; cgroup also hits the rank
         if moment == "before_the_rank":
             assert not (tmp_path / "rank0.ready").exists()
+            time.sleep(0.2)  # the signal lands while torchrun still holds its rank back, however loaded the machine
+            go.touch()
         assert wrapper.wait(30) == 0  # torchrun survived and exited with the rank's status
     finally:
         if wrapper.poll() is None:
