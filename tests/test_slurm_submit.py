@@ -274,10 +274,14 @@ sys.exit(rank.wait())
 
 
 def torchrun_without_rank(wrapper) -> bool:
-    """Whether the wrapper has started torchrun, which has not started its rank yet."""
+    """Whether the wrapper has started torchrun, which has not started its rank yet, and waits for it (its
+    start-up loop's ``sleep``: past the instant it forks torchrun, when it ignores the signals, a gap the
+    wrapper documents; a loaded machine can stretch it, so the test signals after it)."""
     try:
-        agents = [p for p in psutil.Process(wrapper.pid).children() if "torchrun" in " ".join(p.cmdline())]
-        return bool(agents) and not agents[0].children()
+        children = psutil.Process(wrapper.pid).children()
+        agents = [p for p in children if "torchrun" in " ".join(p.cmdline())]
+        waiting = any(p.cmdline()[:1] == ["sleep"] for p in children)
+        return bool(agents) and not agents[0].children() and waiting
     except psutil.Error:
         return False
 

@@ -34,6 +34,11 @@ signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # inherited by exec and by the r
 for sig in stop:
     signal.signal(sig, signal.SIG_DFL)  # blocked: nothing is delivered; a pending one stays pending
 os.execvp(sys.argv[1], sys.argv[1:])'
+# The interpreter itself, not a launcher in front of it: a launcher that runs helper processes before it execs
+# python (a pyenv shim) would show them as torchrun's children, which the relay below takes for the ranks. Resolved
+# in a subshell that ignores the stop signals (this shell keeps recording them meanwhile). torchrun itself must be
+# an executable script of the environment for the same reason (activate the environment rather than a shim).
+PYTHON=$(trap '' USR1 TERM; python3 -c 'import sys; print(sys.executable)')
 pid=""
 relay() {  # hand the pending signals to the ranks, once torchrun has started them
   [ -n "$pending" ] && [ -n "$pid" ] && pgrep -P "$pid" >/dev/null 2>&1 || return 0
@@ -44,7 +49,7 @@ relay() {  # hand the pending signals to the ranks, once torchrun has started th
   done
 }
 trap '' USR1 TERM
-python3 -c "$START_BLOCKED" torchrun "$@" &
+"$PYTHON" -c "$START_BLOCKED" torchrun "$@" &
 pid=$!
 trap 'pending="$pending USR1"; relay' USR1
 trap 'pending="$pending TERM"; relay' TERM
