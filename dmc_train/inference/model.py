@@ -21,8 +21,10 @@ fused q/k/v projection -> [here: (DMC: decisions from the pre-RoPE decision chan
 RoPE (:mod:`dmc_train.models.rope`: rotate-half, as megatron-core and HF, scaled by ``model.rope_scaling``
 (``llama3``, ``linear``) with the training model's frequencies, the angles computed once per forward; for DMC
 ``rope_order=pre`` the keys reach the cache un-rotated and it rotates the accumulated ones) -> the cache's
-attention] -> output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: hidden
-``[b, n, hidden]``, heads ``[b, H, n, d]``; decisions ``[b, H_kv, n]``.
+attention] -> output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: inside, tokens are rows
+(hidden ``[t, hidden]``, a layer's heads ``[t, H + 2 H_kv, d]``, decisions ``[t, H_kv]``; a decode step's rows
+are its sequences, handed to the cache as ``[B, heads, d]``); an attention given to the forwards gets heads
+``[b, H, n, d]`` and decisions ``[b, H_kv, n]``.
 """
 
 from __future__ import annotations
