@@ -21,8 +21,10 @@ fused q/k/v projection -> [here: (DMC: decisions from the pre-RoPE decision chan
 RoPE (:mod:`dmc_train.models.rope`: rotate-half, as megatron-core and HF, scaled by ``model.rope_scaling``
 (``llama3``, ``linear``) with the training model's frequencies, the angles computed once per forward; for DMC
 ``rope_order=pre`` the keys reach the cache un-rotated and it rotates the accumulated ones) -> the cache's
-attention] -> output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: hidden
-``[b, n, hidden]``, heads ``[b, H, n, d]``; decisions ``[b, H_kv, n]``.
+attention] -> output projection -> residual -> RMSNorm -> SwiGLU -> residual. Layouts: inside, tokens are rows
+(hidden ``[t, hidden]``, a layer's heads ``[t, H + 2 H_kv, d]``, decisions ``[t, H_kv]``; a decode step's rows
+are its sequences, handed to the cache as ``[B, heads, d]``); an attention given to the forwards gets heads
+``[b, H, n, d]`` and decisions ``[b, H_kv, n]``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.llama_layer import LlamaLayer
 from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import rope, rope_angles, rope_inv_freq, rope_rotation, rotate_half_rope
+from dmc_train.models.rope import rope, rope_inv_freq, rope_rotation
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.dmc import decisions
@@ -129,14 +131,27 @@ class LlamaForInference:
         self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling)
         self.rope = functools.partial(rope, inv_freq=self.inv_freq)  # rope(x [..., d], positions): the model's RoPE
         self.rotate_in_cache = dmc is not None and dmc.rope_order == "pre"
-        self.keep = None
+        self.head_counts = self.layers[0].heads  # (H, H_kv, H_kv) of every layer (a tensor-parallel rank's)
+        self.keep, self.rope_masks = None, (None, None)
         if dmc is not None and dmc.channel is not None:
-            self.keep = torch.ones(s.head_dim, dtype=dtype)
-            self.keep[dmc.channel] = 0
-            rolled = self.keep.roll(s.head_dim // 2)  # 0 where the signed sine multiplies the channel (k and q)
-            self.rope_masks = (self.keep, rolled, rolled * self.keep)  # of cos, of k's and q's sines
-            self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32)
-                                          for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0))
+            self._decision_channel_tables(dmc, dtype)
+
+    def _decision_channel_tables(self, dmc: DMCSettings, dtype: torch.dtype) -> None:
+        """What every forward of a DMC model with a decision channel ``c`` reuses: ``keep [d]`` (0 at ``c``, model
+        dtype); ``rope_masks``, the masks of :func:`rope_rotation`'s tables for the query and key heads rotated
+        together (``rope_order=post``): cos ``keep [d]``, signed sine ``[H + H_kv, d]``, 0 where it multiplies the
+        channel (``c + d / 2 mod d``) and, in the query heads, also where it writes it (``c``); the decision
+        scalars as 0-dim fp32 tensors (offset, threshold, eps, 0, 1: no scalar conversion per call) and the key
+        heads' offsets ``[H_kv]`` (:meth:`_decision_rule`)."""
+        hq, hk, _ = self.head_counts
+        d = self.shape.head_dim
+        self.keep = torch.ones(d, dtype=dtype)
+        self.keep[dmc.channel] = 0
+        rolled = self.keep.roll(d // 2)  # 0 where the signed sine multiplies the channel
+        self.rope_masks = (self.keep, torch.cat([(rolled * self.keep).expand(hq, d), rolled.expand(hk, d)]))
+        self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32)
+                                      for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0, 1.0))
+        self.channel_shift = (-self.decision_scalars[0]).expand(hk)  # k - c0 (alpha_logit)
 
     @property
     def default_cache(self) -> str:
@@ -175,125 +190,106 @@ class LlamaForInference:
         return cls(shape, weights, dmc, torch_dtype, less, group), loaded
 
     # -- decisions --------------------------------------------------------------------------------
-    def _decisions(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                   later: Optional[torch.Tensor] = None):
-        """Hard ``alpha`` and ``omega [b, H_kv, n]`` from pre-RoPE ``q [b, H, n, d]``, ``k [b, H_kv, n, d]``
-        (the same functions as training's evaluation); the first token of a sequence appends. ``later [b, 1, n]``
-        (optional, :meth:`_later`): 1. where ``positions [b, n]`` is not 0, computed once for every layer."""
-        st, hk = self.dmc, k.shape[1]
-        if st.pool is not None:  # fixed pooling: every pool-th token appends, equal weights
-            alpha = (positions[:, None, :].expand(-1, hk, -1) % st.pool != 0).float()
+    def _decision_rule(self, positions: torch.Tensor):
+        """What every layer's decisions share in a forward of the tokens at ``positions [b, n]`` (``t = b n`` rows).
+        Fixed pooling: the decisions themselves, ``(alpha, omega)`` ``[t, H_kv]`` (every ``pool``-th token
+        appends, equal weights). DMC: ``shift [t, H_kv]`` (fp32), added to the key heads' decision channel:
+        ``-c0`` (:func:`~kernels.dmc.decisions.alpha_logit`: ``k + (-c0)`` is ``k - c0`` exactly), and ``-inf`` at a
+        sequence's first token (``positions == 0``: its logit never exceeds the threshold, so the first token
+        appends)."""
+        st, (_, hk, _) = self.dmc, self.head_counts
+        if st.pool is not None:
+            alpha = (positions.reshape(-1, 1) % st.pool != 0).float().expand(-1, hk).contiguous()
             return alpha, torch.ones_like(alpha)
-        offset, threshold, eps, zero = self.decision_scalars  # 0-dim tensors: no scalar conversion per call
-        logit = decisions.alpha_logit(k[..., st.channel], offset)  # [b, H_kv, n]
-        q_dec = q[..., st.channel].float()  # [b, H, n], laid out [b, n, H] (as everything downstream expects)
-        if q.shape[1] != hk or st.shared:  # GQA: the group's mean (one head: itself, as the mean of one value);
-            # HardC: also one head, contiguous (its mean over the heads then sums in the same order)
-            q_dec = decisions.group_mean(q_dec.transpose(1, 2), hk).transpose(1, 2)  # [b, H_kv, n]
-        if st.shared:
-            logit, q_dec = (t.mean(1, keepdim=True).expand_as(t) for t in (logit, q_dec))
-        later = self._later(positions) if later is None else later
-        alpha = torch.where(logit > threshold, later, zero)  # decisions.hard_alpha, 0 at a first token
-        return alpha, decisions.importance(q_dec, offset, eps)
+        return torch.where(positions.reshape(-1, 1) == 0, -math.inf, self.channel_shift)
 
-    @staticmethod
-    def _later(positions: torch.Tensor) -> torch.Tensor:
-        """``[b, 1, n]`` fp32: 1. where ``positions [b, n]`` is not a sequence's first token, else 0. (alpha times
-        it: the first token appends)."""
-        return (positions != 0).float()[:, None]
+    def _decisions(self, heads: torch.Tensor, rule, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hard ``alpha`` and ``omega [t, H_kv]`` (fp32) of one layer from its pre-RoPE ``heads [t, H + 2 H_kv, d]``
+        (rows = tokens; :meth:`LlamaLayer.attention_input`) and the forward's ``rule`` (:meth:`_decision_rule`) at
+        ``positions [b, n]``: training's evaluation functions (:mod:`kernels.dmc.decisions`), bit for bit. Their
+        sigmoid runs on dense tensors in the order it always did (``[t, H_kv]``; HardC ``[b, H_kv, n]``): a
+        vectorised and a scalar sigmoid round differently, so the same values must fall in the same places."""
+        st, (hq, hk, _) = self.dmc, self.head_counts
+        if st.pool is not None:
+            return rule
+        offset, threshold, eps, zero, one = self.decision_scalars
+        q_dec, k_dec = heads[:, : hq + hk, st.channel].split((hq, hk), 1)  # [t, H], [t, H_kv]: the channel
+        q_dec = q_dec.float()
+        logit = k_dec + rule  # alpha_logit, -inf at a first token
+        if hq != hk or st.shared:  # GQA: the group's mean (one head: itself, as the mean of one value);
+            q_dec = decisions.group_mean(q_dec, hk)  # HardC: also one head, contiguous
+        if not st.shared:
+            return torch.where(logit > threshold, one, zero), decisions.importance(q_dec, offset, eps)
+        b, n = positions.shape  # HardC: the layer's heads decide together, in training's layout [b, H_kv, n]
+        logit, q_dec = (x.mean(-1, keepdim=True).view(b, n, 1).transpose(1, 2).expand(-1, hk, -1)
+                        for x in (logit, q_dec))
+        alpha, omega = torch.where(logit > threshold, one, zero), decisions.importance(q_dec, offset, eps)
+        return alpha.transpose(1, 2).reshape(-1, hk), omega.transpose(1, 2).reshape(-1, hk)  # rows [t, H_kv]
 
     # -- forward ----------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor],
              raw_qk: bool = False, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[b, n, V]`` of ``tokens [b, n]`` at ``positions [b, n]``; ``attend(layer, q, k, v, info)``
-        returns ``[b, H, n, d_v]``; ``raw_qk``: q and k reach it before RoPE, with ``info.rotate``.
+        takes ``q [b, H, n, d]``, ``k, v [b, H_kv, n, d]`` and ``info`` (positions ``[b, n]``, DMC's decisions ``[b,
+        H_kv, n]``) and returns ``[b, H, n, d_v]``; ``raw_qk``: q and k reach it before RoPE, with ``info.rotate``.
         ``logits_at [m]``: only the logits ``[b, m, V]`` of these tokens (indices along n; the LM head runs on
         them alone)."""
+        b, n = tokens.shape
+        rotate = self.rope if self.rotate_in_cache or raw_qk else None
+
+        def attention(i, q, k, v, alpha, omega):  # rows [b n, heads, d] -> [b, heads, n, d] and back
+            alpha, omega = (None if t is None else t.view(b, n, -1).transpose(1, 2) for t in (alpha, omega))
+            q, k, v = (t.view(b, n, -1, t.shape[-1]).transpose(1, 2) for t in (q, k, v))
+            out = attend(i, q, k, v, TokenInfo(positions, alpha, omega, rotate))
+            return out.transpose(1, 2).reshape(b * n, -1)
+
         with without_cpu_compat_mode():  # no megatron code runs here
-            return self._layers(tokens, positions, attend, raw_qk, logits_at)
+            x = self._layers(tokens.reshape(-1), positions, attention, raw_qk).view(b, n, -1)
+            if logits_at is not None:
+                x = x[:, logits_at]
+            return self._logits(x.reshape(-1, x.shape[-1])).view(b, x.shape[1], -1)
 
-    def _layers(self, tokens, positions, attend, raw_qk: bool = False, logits_at=None) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Callable[..., torch.Tensor],
+                raw_qk: bool = False) -> torch.Tensor:
+        """The hidden states ``[t, hidden]`` after the last layer of ``tokens [t]`` at ``positions [b, n]`` (rows =
+        tokens, ``t = b n``). Per layer: the heads (:meth:`LlamaLayer.attention_input`), DMC's decisions from them
+        before RoPE (:meth:`_decisions`), q and k rotated (:meth:`_split_heads`), then ``attention(layer, q [t, H, d],
+        k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega) -> [t, H d_v]`` (``alpha``, ``omega [t, H_kv]``; None
+        without DMC) and the rest of the layer. What every layer shares (RoPE tables, the decision rule) is computed
+        once, here."""
+        split = self._split_heads(positions, raw_qk)
+        rule = None if self.dmc is None else self._decision_rule(positions)
         x = self.embed[tokens]
-        if self.dmc is None and not raw_qk:  # the layers rotate q and k together: no per-layer work here
-            rotate = rope_rotation(positions[..., None], self.inv_freq, self.dtype)  # of qk [b, n, H + H_kv, d]
-            info = TokenInfo(positions)
-            for layer in self.layers:
-                x = layer(x, lambda i, q, k, v: attend(i, q, k, v, info), self._all_reduce, rotate)
-            return self._logits(x, logits_at)
-        if self.keep is not None and not raw_qk:
-            return self._dmc_layers(x, positions, attend, logits_at)
-        if not raw_qk:  # every layer rotates at the same positions: [b, 1, n, d], in the model's dtype
-            cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
-
-        def attention(i, q, k, v):  # between the projections and the cache: DMC's decisions, RoPE
-            info = TokenInfo(positions)
-            if self.dmc is not None:
-                info.alpha, info.omega = self._decisions(q, k, positions)
-            if self.keep is not None:  # zeroed before RoPE (as training) and in q after (channel unused)
-                q, k = q * self.keep, k * self.keep
-            if not raw_qk:
-                q = rotate_half_rope(q, cos, sin)
-            if self.rotate_in_cache or raw_qk:  # DMC rope_order=pre: the cache rotates the accumulated keys;
-                # raw_qk (LightCache): q too, at the positions the cache gives them
-                info.rotate = self.rope
-            else:
-                k = rotate_half_rope(k, cos, sin)
-            if self.keep is not None:
-                q = q * self.keep
-            return attend(i, q, k, v, info)
-
         for layer in self.layers:
-            x = layer(x, attention, self._all_reduce)
-        return self._logits(x, logits_at)
+            heads = layer.attention_input(x)
+            alpha, omega = (None, None) if rule is None else self._decisions(heads, rule, positions)
+            x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), self._all_reduce)
+        return x
 
-    def _dmc_layers(self, x, positions, attend, logits_at=None) -> torch.Tensor:
-        """:meth:`_layers` of a DMC model with a decision channel (q and k rotated here, not in the cache's
-        attention): the decisions from the pre-RoPE q and k, then q and k rotated by tables that zero the
-        channel (:meth:`_masked_rotations`: the same values as zeroing it before RoPE and in q after). ``x [b, n,
-        hidden]``, ``positions [b, n]``."""
-        rotate_q, rotate_k = self._masked_rotations(positions)
-        later = self._later(positions)
+    def _split_heads(self, positions: torch.Tensor, raw_qk: bool):
+        """``split(heads [t, H + 2 H_kv, d]) -> (q, k, v)`` ``[t, heads, d]`` (views of one layer's heads, q and k
+        rotated) at ``positions [b, n]``, the rotation's tables computed here once for every layer
+        (:func:`rope_rotation`). q and k are rotated together in one call, with a DMC model's decision channel
+        zeroed by the tables' masks (``rope_masks``); ``rope_order=pre``: only q, and k's channel zeroed (the cache
+        rotates the keys it accumulates); ``raw_qk``: neither (the attention rotates them), the channel zeroed."""
+        hq, hk, hv = self.head_counts
+        keep = self.keep
+        if raw_qk:
+            if keep is None:
+                return lambda heads: heads.split((hq, hk, hv), 1)
+            return lambda heads: (*(heads[:, : hq + hk] * keep).split((hq, hk), 1), heads[:, hq + hk:])
+        if self.rotate_in_cache:  # DMC rope_order=pre: the query heads alone, with the query heads' masks
+            rotate = rope_rotation(positions.reshape(-1, 1), self.inv_freq, self.dtype, keep,
+                                   None if keep is None else self.rope_masks[1][0])
+            if keep is None:
+                return lambda heads: (rotate(heads[:, :hq]), *heads[:, hq:].split((hk, hv), 1))
+            return lambda heads: (rotate(heads[:, :hq]), heads[:, hq: hq + hk] * keep, heads[:, hq + hk:])
+        rotate = rope_rotation(positions.reshape(-1, 1), self.inv_freq, self.dtype, *self.rope_masks)
+        return lambda heads: (*rotate(heads[:, : hq + hk]).split((hq, hk), 1), heads[:, hq + hk:])
 
-        def attention(i, q, k, v):  # between the projections and the cache
-            info = TokenInfo(positions, *self._decisions(q, k, positions, later))
-            if self.rotate_in_cache:  # DMC rope_order=pre: the cache rotates the accumulated keys
-                info.rotate = self.rope
-            return attend(i, rotate_q(q), rotate_k(k), v, info)
-
-        for layer in self.layers:
-            x = layer(x, attention, self._all_reduce)
-        return self._logits(x, logits_at)
-
-    def _masked_rotations(self, positions: torch.Tensor):
-        """``(rotate_q, rotate_k)``: ``x [b, h, n, d] -> x * cos + x.roll(d / 2, -1) * sin`` at ``positions [b, n]``
-        with the tables ``[b, 1, n, d]`` (model dtype) of :func:`rope_rotation` in which every entry that reads the
-        decision channel ``c`` is zeroed (cos at ``c``, the signed sine at ``c + d / 2 mod d``) and, for q, also
-        the one that writes it (its sine at ``c``): bit for bit RoPE of the input with channel ``c`` zeroed, and
-        for q the result's channel ``c`` zeroed. ``rope_order=pre``: k is not rotated here, only zeroed."""
-        cos, sin = rope_angles(positions[:, None], self.inv_freq, self.dtype)
-        half = cos.shape[-1] // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # rotate_half(x) * sin = roll(x) * signed sin
-        keep, sin_k_mask, sin_q_mask = self.rope_masks
-        cos, sin_k, sin_q = cos * keep, sin * sin_k_mask, sin * sin_q_mask
-
-        def rotate_q(x):
-            return x * cos + x.roll(half, -1) * sin_q
-
-        def rotate_k(x):
-            if self.rotate_in_cache:
-                return x * keep
-            return x * cos + x.roll(half, -1) * sin_k
-
-        return rotate_q, rotate_k
-
-    def _logits(self, x: torch.Tensor, at: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits ``[b, n, V]`` of the last layer's hidden states ``x [b, n, hidden]`` (final RMSNorm, LM head);
-        ``at [m]``: of those tokens only, ``[b, m, V]``."""
-        if at is not None:
-            x = x[:, at]
-        b, n, hidden = x.shape
-        x = rms_norm(x.reshape(b * n, hidden), self.final_norm, self.shape.norm_eps)
-        return torch.mm(x, self.lm_head_t).view(b, n, -1)
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``[t, V]`` of the last layer's hidden states ``x [t, hidden]`` (final RMSNorm, LM head)."""
+        return torch.mm(rms_norm(x, self.final_norm, self.shape.norm_eps), self.lm_head_t)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel projection's ``partial`` (itself without a group)."""
@@ -400,17 +396,19 @@ class LlamaForInference:
 
     @torch.no_grad()
     def decode(self, cache: KVCache, seq_ids: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per sequence: ``tokens [B]`` at ``positions [B]``; logits ``[B, V]``."""
+        """One token per sequence: ``tokens [B]`` at ``positions [B]``; logits ``[B, V]``. The layers' rows are the
+        sequences, so q, k, v reach ``cache.decode`` in its layout ``[B, heads, d]`` as they are computed."""
         self.check_cache_type(cache)
+        rotate = self.rope if self.rotate_in_cache or cache.rope_in_cache else None
 
-        def attend(layer, q, k, v, info):
-            alpha, omega = (None if t is None else t[..., 0] for t in (info.alpha, info.omega))
-            info = TokenInfo(positions, alpha, omega, rotate=info.rotate)  # info.positions [B, 1]: positions
-            return cache.decode(layer, seq_ids, q[:, :, 0], k[:, :, 0], v[:, :, 0], info)[:, :, None]
+        def attention(layer, q, k, v, alpha, omega):  # q contiguous: a cache views it as [B H_kv, G, d]
+            info = TokenInfo(positions, alpha, omega, rotate)
+            return cache.decode(layer, seq_ids, q.contiguous(), k, v, info).reshape(len(seq_ids), -1)
 
         cache.begin_decode(seq_ids)
         try:
-            return self._run(tokens[:, None], positions[:, None], attend, cache.rope_in_cache)[:, 0]
+            with without_cpu_compat_mode():
+                return self._logits(self._layers(tokens, positions[:, None], attention, cache.rope_in_cache))
         finally:
             cache.end_decode()
 

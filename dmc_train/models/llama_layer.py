@@ -3,15 +3,20 @@ importer's reference forward (:mod:`dmc_train.models.llama_reference`) both run 
 
     layer = LlamaLayer(i, weight, head_dim, norm_eps)   # weight(hf_name) -> tensor, in the dtype to compute in
     x = layer(x, attend)                                # [b, n, hidden] -> [b, n, hidden]
+    heads = layer.attention_input(x)                    # or in two halves, tokens as rows: [t, hidden] -> [t, C, d]
+    x = layer.attention_output(x, out)                  # out [t, H d] (the attention between) -> [t, hidden]
 
 RMSNorm (fp32 inside) -> q, k, v projections (one matmul over the stacked weights) -> ``attend(i, q, k, v)``
 -> output projection -> residual -> RMSNorm -> SwiGLU ``down(silu(gate h) * up h)`` -> residual, as
 transformers' ``LlamaDecoderLayer`` without biases. q and k reach ``attend`` before RoPE: the caller rotates
 them (:mod:`dmc_train.models.rope`), because what happens there differs (the reference rotates both at
 ``0..n-1``; the engine reads DMC's decisions from the un-rotated q and k, and some caches rotate the keys
-themselves). Layouts: hidden ``[b, n, hidden]``; ``attend`` takes ``q [b, H, n, d]``, ``k, v [b, H_kv, n, d]``
-and returns ``[b, H, n, d]``. Under tensor parallelism the weights are one rank's shard (its heads, its part
-of the MLP) and ``all_reduce`` sums the output and down projections' partial results over the ranks.
+themselves). The inference model runs the two halves itself (:meth:`LlamaLayer.attention_input`,
+:meth:`LlamaLayer.attention_output`, tokens as rows ``[t, ...]``), so that a decode step's heads reach the cache
+in its layout without transposes. Layouts: hidden ``[b, n, hidden]``; ``attend`` takes ``q [b, H, n, d]``,
+``k, v [b, H_kv, n, d]`` and returns ``[b, H, n, d]``. Under tensor parallelism the weights are one rank's shard
+(its heads, its part of the MLP) and ``all_reduce`` sums the output and down projections' partial results over the
+ranks.
 """
 
 from __future__ import annotations
@@ -74,23 +79,29 @@ class LlamaLayer:
     def down(self) -> torch.Tensor:
         return self.down_t.T
 
-    def __call__(self, x: torch.Tensor, attend: Attend,
-                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 rotate: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-        """``x [b, n, hidden]`` after this layer; ``attend(index, q, k, v)`` is the attention core. ``rotate(qk)``
-        (optional): RoPE of the query and key heads together, ``qk [b, n, H + H_kv, d]`` -> the same shape; q and k
-        then reach ``attend`` rotated (one rotation instead of two)."""
-        b, n, hidden = x.shape
-        x = x.reshape(b * n, hidden)  # rows = tokens: every projection is one 2-d matmul (torch.mm: one call)
-        heads = torch.mm(rms_norm(x, self.norm_in, self.eps), self.qkv_t).view(b, n, -1, self.head_dim)
-        hq, hk, hv = self.heads
-        if rotate is None:
-            q, k, v = heads.split(self.heads, 2)
-        else:
-            (q, k), v = rotate(heads[:, :, : hq + hk]).split((hq, hk), 2), heads[:, :, hq + hk:]
-        out = attend(self.index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, H, n, d]
-        out = torch.mm(out.transpose(1, 2).reshape(b * n, -1), self.o_t)
+    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The q, k and v heads of the tokens ``x [t, hidden]`` (rows = tokens): RMSNorm, then one matmul over the
+        stacked projections; ``heads [t, H + 2 H_kv, d]``, the query heads first, then the key and the value heads,
+        before RoPE."""
+        return torch.mm(rms_norm(x, self.norm_in, self.eps), self.qkv_t).view(len(x), -1, self.head_dim)
+
+    def attention_output(self, x: torch.Tensor, out: torch.Tensor,
+                         all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """The layer's output ``[t, hidden]`` of its input ``x [t, hidden]`` and the attention's ``out [t, H d]``
+        (rows = tokens, each token's heads side by side): output projection -> residual -> RMSNorm -> SwiGLU ->
+        residual."""
+        out = torch.mm(out, self.o_t)
         x = x + (out if all_reduce is None else all_reduce(out))
         gate, up = torch.mm(rms_norm(x, self.norm_mlp, self.eps), self.gate_up_t).chunk(2, dim=-1)
         out = torch.mm(F.silu(gate) * up, self.down_t)
-        return (x + (out if all_reduce is None else all_reduce(out))).view(b, n, hidden)
+        return x + (out if all_reduce is None else all_reduce(out))
+
+    def __call__(self, x: torch.Tensor, attend: Attend,
+                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """``x [b, n, hidden]`` after this layer; ``attend(index, q, k, v)`` is the attention core (q and k before
+        RoPE): :meth:`attention_input`, then the attention, then :meth:`attention_output`."""
+        b, n, hidden = x.shape
+        x = x.reshape(b * n, hidden)  # rows = tokens: every projection is one 2-d matmul (torch.mm: one call)
+        q, k, v = self.attention_input(x).view(b, n, -1, self.head_dim).split(self.heads, 2)
+        out = attend(self.index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, H, n, d]
+        return self.attention_output(x, out.transpose(1, 2).reshape(b * n, -1), all_reduce).view(b, n, hidden)

@@ -6,6 +6,7 @@
     x = rotate_half_rope(x, cos, sin)                               # x [..., head_dim], cos / sin broadcast
     x = rope(x, positions, inv_freq)                                # the two above, angles cast to x's dtype
     rotate = rope_rotation(positions, inv_freq)                     # x -> rotate_half_rope(x, cos, sin), fewer calls
+    rotate = rope_rotation(positions, inv_freq, dtype, cos_mask, sin_mask)   # the same, channels zeroed
 
 Every RoPE of the project takes its angles ``position * inv_freq`` (rotate-half convention, the
 frequencies repeated for both halves) from here: the training model (megatron-core's
@@ -38,7 +39,7 @@ Torch only (no megatron import): the inference engine uses it without loading me
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -93,15 +94,24 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     return rotate_half_rope(x, cos, sin)
 
 
-def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor,
-                  dtype: torch.dtype = torch.float32) -> Callable[[torch.Tensor], torch.Tensor]:
+def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  cos_mask: Optional[torch.Tensor] = None,
+                  sin_mask: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x [..., d] -> rotate_half_rope(x, cos, sin)`` at ``positions`` (the angles of :func:`rope_angles`,
     broadcast as there), bit for bit, in four tensor calls instead of six (the inference engine rotates every
     layer's q and k with it): ``rotate_half(x) * sin = [-x2, x1] * [s, s] = [x2, x1] * [-s, s]``, and ``[x2, x1]``
-    is ``x`` rolled by ``d / 2``. The signed sines are computed once, here."""
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., d / 2]
-    cos = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)
-    sin = freqs.sin()
-    sin = torch.cat([-sin, sin], dim=-1).to(dtype)
-    half = freqs.shape[-1]
+    is ``x`` rolled by ``d / 2``. The signed sines are computed once, here, from :func:`rope_angles`' tables.
+
+    ``cos_mask``, ``sin_mask`` (optional, 0 / 1 in ``dtype``, broadcast against the tables ``[..., d]``, e.g.
+    ``[heads, d]`` for ``x [t, heads, d]`` at ``positions [t, 1]``): multiply the cosines and the signed sines once
+    here. A 0 in the cosine at channel ``c`` and in the sine at ``c + d / 2 mod d`` drops what reads ``x``'s channel
+    ``c`` (RoPE of ``x`` with that channel zeroed, DMC's decision channel); a 0 in the sine at ``c`` as well drops
+    what writes it (the result's channel ``c`` zeroed)."""
+    cos, sin = rope_angles(positions, inv_freq, dtype)  # the very tables of rotate_half_rope
+    half = cos.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+    if cos_mask is not None:
+        cos = cos * cos_mask
+    if sin_mask is not None:
+        sin = sin * sin_mask
     return lambda x: x * cos + x.roll(half, -1) * sin

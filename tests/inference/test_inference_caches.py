@@ -23,12 +23,12 @@ def new_cache(model, num_pages=256, page_size=16):
 
 
 def capture_decisions(model):
-    """Record the hard decisions ``alpha [b, H_kv, n]`` of every layer of the next forwards."""
+    """Record the hard decisions ``alpha [1, H_kv, n]`` of every layer of the next forwards (of one sequence each)."""
     seen, original = [], model._decisions
 
-    def spy(q, k, positions, *rest):
-        alpha, omega = original(q, k, positions, *rest)
-        seen.append(alpha)
+    def spy(*args):
+        alpha, omega = original(*args)  # [n, H_kv]: tokens as rows
+        seen.append(alpha.T[None])
         return alpha, omega
 
     model._decisions = spy
