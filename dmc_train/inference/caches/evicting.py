@@ -32,7 +32,7 @@ import torch
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.caches.full import causal_attention
 from dmc_train.inference.pool import PagePool
-from dmc_train.policies.base import Entries, Scorer, Step, insert, victim_slots
+from dmc_train.policies.base import Entries, Scorer, Step, insert, record_keys, record_token, victim_slots
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
 from kernels.paged import DecodePlan
 
@@ -56,7 +56,8 @@ class DecodeStep:
     - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
     - ``slots [len(layers), N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
       slot, for every layer at once when the policy's priority does not read the query (else None: chosen
-      layer by layer)."""
+      layer by layer); ``recorded``: the new token's position (and zero score) already recorded in every layer's
+      state at once (:func:`~dmc_train.policies.base.record_token`), only what reads the keys left per layer."""
 
     seq_ids: tuple
     layers: list[int]
@@ -70,6 +71,7 @@ class DecodeStep:
     policy: Optional[Step] = None
     slots: Optional[torch.Tensor] = None
     flat: Optional[torch.Tensor] = None
+    recorded: bool = False
 
 
 class EvictingCache(KVCache):
@@ -200,7 +202,8 @@ class EvictingCache(KVCache):
 
     def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
         """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at
-        its first layer: then also every layer's victims, when the priority does not read the query)."""
+        its first layer: then also every layer's victims, when the priority does not read the query, and the new
+        token recorded in every layer's state)."""
         if step.policy is None:
             rows, hk = step.rows[0], self.num_kv_heads
             t = positions.long().repeat_interleave(hk)
@@ -208,6 +211,9 @@ class EvictingCache(KVCache):
                                self.horizon[rows].long(), hk)
             if step.slots is None and not self.scorer.query_priority:
                 self._choose_all(step)
+            if step.slots is not None:  # every layer's slots are known: one write of the positions for all layers
+                record_token(self.scorer, Entries(step.state["positions"], step.state["scores"]), step.slots, t)
+                step.recorded = True
         return dataclasses.replace(step.policy, layer=layer)
 
     def _choose_all(self, step: DecodeStep) -> None:
@@ -259,7 +265,10 @@ class EvictingCache(KVCache):
                         self.pool.k_pages.view(-1, k.shape[-1]).index_select(0, gone).view(-1, hk, 1, k.shape[-1]),
                         self.pool.v_pages.view(-1, v.shape[-1]).index_select(0, gone).view(-1, hk, 1, v.shape[-1]))
         self.pool.write_slots(flat, k, v)
-        insert(self.scorer, entries, slot, k, policy.t)
+        if step.recorded:
+            record_keys(self.scorer, entries, slot, k)
+        else:
+            insert(self.scorer, entries, slot, k, policy.t)
         out, attention = self.attend(step, index, q, self.scorer.attention)
         if attention is not None and attention.shape[1] < self.budget:
             attention = torch.nn.functional.pad(attention, (0, self.budget - attention.shape[1]))
