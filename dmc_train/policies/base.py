@@ -266,7 +266,7 @@ def record_token(scorer: Scorer, entries: Entries, slot: torch.Tensor, t: torch.
 def record_keys(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor) -> None:
     """The part of :func:`insert` that reads the keys ``k [N, d]`` written in slot ``slot [N]`` of every row: their
     scores (``scorer.key_scores``) and hash codes (``scorer.code_bits``)."""
-    index = slot[:, None]
+    index = slot[:, None] if scorer.key_scores or entries.codes is not None else None
     if scorer.key_scores:
         entries.scores.scatter_(1, index, scorer.new_scores(k)[:, None])
     if entries.codes is not None:

@@ -106,6 +106,7 @@ class EvictingCache(KVCache):
 
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
     _step: Optional[DecodeStep] = None  # the decode step begun
+    _facts: Optional[tuple] = None  # (batch rows, heads, prompt_len, horizon) of the running batch (_row_facts)
 
     def row_state(self) -> dict[str, torch.Tensor]:
         """The per-row state a decode step reads and updates (name -> ``[rows, ...]``, an attribute of the cache)."""
@@ -205,16 +206,26 @@ class EvictingCache(KVCache):
         its first layer: then also every layer's victims, when the priority does not read the query, and the new
         token recorded in every layer's state)."""
         if step.policy is None:
-            rows, hk = step.rows[0], self.num_kv_heads
-            t = positions.long().repeat_interleave(hk)
-            step.policy = Step(layer, torch.arange(hk).repeat(len(step.seq_ids)), t, t - self.prompt_len[rows].long(),
-                               self.horizon[rows].long(), hk)
+            heads, prompt_len, horizon = self._row_facts(step.rows[0])
+            t = positions.long().repeat_interleave(self.num_kv_heads)
+            step.policy = Step(layer, heads, t, t - prompt_len, horizon, self.num_kv_heads)
             if step.slots is None and not self.scorer.query_priority:
                 self._choose_all(step)
             if step.slots is not None:  # every layer's slots are known: one write of the positions for all layers
                 record_token(self.scorer, Entries(step.state["positions"], step.state["scores"]), step.slots, t)
                 step.recorded = True
         return dataclasses.replace(step.policy, layer=layer)
+
+    def _row_facts(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(heads, prompt_len, horizon)``, each ``[N]`` int64, of ``rows [N]`` (one layer's rows of the decode
+        step's batch, ordered [sequence, KV head]; every layer's rows of a sequence share them): each row's KV head,
+        its sequence's prompt length and generation length. They change only when a sequence joins or leaves, so
+        they are computed again only when the batch's rows (:meth:`batch_rows`) were stacked again."""
+        batch = self._batch_rows
+        if self._facts is None or self._facts[0] is not batch:
+            heads = torch.arange(self.num_kv_heads).repeat(len(rows) // self.num_kv_heads)
+            self._facts = (batch, heads, self.prompt_len[rows].long(), self.horizon[rows].long())
+        return self._facts[1:]
 
     def _choose_all(self, step: DecodeStep) -> None:
         """``step.slots`` and ``step.flat`` of every layer at once: one victim choice over the entries of every layer
