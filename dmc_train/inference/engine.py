@@ -294,8 +294,10 @@ class Engine:
         them preempts the newest running ones until it does; the newest left waits itself; the oldest,
         with the pool to itself, fails."""
         events, reserved, i = [], 0, 0
-        needs = dict(zip([r.id for r in self.running],
-                         self._most_on_any_rank(self.cache.decode_pages_needed([r.id for r in self.running]))))
+        needed = self._most_on_any_rank(self.cache.decode_pages_needed([r.id for r in self.running]))
+        if sum(needed) <= self._free_pages():  # every request finds its pages: nothing to preempt
+            return events
+        needs = dict(zip([r.id for r in self.running], needed))
         while i < len(self.running):
             req = self.running[i]
             while needs[req.id] > self._free_pages() - reserved and self.running[-1] is not req:
