@@ -107,6 +107,7 @@ class EvictingCache(KVCache):
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
     _step: Optional[DecodeStep] = None  # the decode step begun
     _facts: Optional[tuple] = None  # (batch rows, heads, prompt_len, horizon) of the running batch (_row_facts)
+    _full_plan: Optional[tuple] = None  # (batch rows, layers, plan) of the last step whose rows were all full (_plan)
 
     def row_state(self) -> dict[str, torch.Tensor]:
         """The per-row state a decode step reads and updates (name -> ``[rows, ...]``, an attribute of the cache)."""
@@ -189,12 +190,23 @@ class EvictingCache(KVCache):
         state = {name: t[rows] for name, t in self.row_state().items()}
         if "positions" in state:
             state["positions"] = state["positions"].long()
-        step = DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows, self.pool.plan(rows, new_lens),
-                          state)
+        step = DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows,
+                          self._plan(rows, layers, new_lens, n_full), state)
         if n_full == 0:  # every row appends
             step.slots = lens.expand(len(layers), -1)
             step.flat = self.pool.slots(rows, step.slots)
         return step
+
+    def _plan(self, rows: torch.Tensor, layers: list[int], lens: torch.Tensor, n_full: int) -> DecodePlan:
+        """The attention plan of ``rows [len(layers), N]`` holding ``lens [N]`` entries after the step. While every
+        row of an unchanged batch is at its budget nothing grows and no page is taken, so the plan of the last
+        such step is reused."""
+        if n_full < len(lens):
+            return self.pool.plan(rows, lens)
+        cached = self._full_plan
+        if cached is None or cached[0] is not self._batch_rows or cached[1] != layers:
+            cached = self._full_plan = (self._batch_rows, layers, self.pool.plan(rows, lens))
+        return cached[2]
 
     def _finish(self, step: DecodeStep) -> None:
         """Write the step's per-row state back."""
