@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,14 +51,23 @@ from dmc_train.inference.tensor_parallel import TP_CACHES
 
 @dataclass
 class Event:
-    """One step's news about a request: a new token (``text`` is the new text) or its end."""
+    """One step's news about a request: a new token (``text`` is the new text) or its end. ``source``: the new
+    text, or what computes it when ``text`` is first read (a request without stop strings is detokenised only
+    when someone reads its text: :meth:`Engine._event_text`)."""
 
     request_id: int
     token: Optional[int]
-    text: str
+    source: str | Callable[[], str]
     finished: bool = False
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+
+    @property
+    def text(self) -> str:
+        """The new text this event streams ("" while the output ends inside a multi-byte character)."""
+        if callable(self.source):
+            self.source = self.source()
+        return self.source
 
 
 @dataclass
@@ -86,8 +95,10 @@ class _Request:
     stop: StopChecker
     generator: Optional[torch.Generator]
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    streamed: str = ""  # the part of ``text`` already sent in events
+    text: str = ""  # the decoded output of the first ``text_tokens`` tokens
+    text_tokens: int = 0
+    streamed: str = ""  # the text already sent in events
+    stream_texts: list[str] = field(default_factory=list)  # the text each token's event sent, once computed
     cached: int = 0  # tokens written into the cache (prompt, then generated ones); 0 while waiting
     preemptions: int = 0
 
@@ -294,8 +305,10 @@ class Engine:
         them preempts the newest running ones until it does; the newest left waits itself; the oldest,
         with the pool to itself, fails."""
         events, reserved, i = [], 0, 0
-        needs = dict(zip([r.id for r in self.running],
-                         self._most_on_any_rank(self.cache.decode_pages_needed([r.id for r in self.running]))))
+        needed = self._most_on_any_rank(self.cache.decode_pages_needed([r.id for r in self.running]))
+        if sum(needed) <= self._free_pages():  # every request finds its pages: nothing to preempt
+            return events
+        needs = dict(zip([r.id for r in self.running], needed))
         while i < len(self.running):
             req = self.running[i]
             while needs[req.id] > self._free_pages() - reserved and self.running[-1] is not req:
@@ -373,25 +386,52 @@ class Engine:
         return t.tolist()
 
     def _accept(self, req: _Request, token: int) -> Event:
-        """Append a sampled token; finish the request if it stops here."""
+        """Append a sampled token; finish the request if it stops here. The output is detokenised now when stop
+        strings are looked for in it; else only when the request finishes or an event's text is read
+        (:meth:`_event_text`), so a step does not decode every running request's whole output for nobody."""
         req.tokens.append(token)
-        req.text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else ""
-        done, reason, req.text = req.stop.check(token, req.text)
+        eager = self.tokenizer is None or bool(req.params.stop)
+        if eager:
+            self._decode_text(req)
+        done, reason, text = req.stop.check(token, req.text)
+        if eager:
+            req.text = text  # cut before a stop string that finished it
         if not done and not self.unbounded and req.position + 1 >= self.model.shape.max_positions:
             done, reason = True, "max_positions"
         if done:
             self._finish(req, reason)
-        return Event(req.id, token, self._new_text(req, done), done, reason)
+        if eager:
+            return Event(req.id, token, self._new_text(req, req.text, done), done, reason)
+        n = len(req.tokens)
+        return Event(req.id, token, lambda: self._event_text(req, n, done), done, reason)
+
+    def _decode_text(self, req: _Request) -> None:
+        """``req.text``: its generated tokens decoded ("" without a tokenizer)."""
+        req.text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else ""
+        req.text_tokens = len(req.tokens)
+
+    def _event_text(self, req: _Request, n: int, done: bool) -> str:
+        """The text the event of ``req``'s ``n``-th generated token streams (``done``: its last). What an event
+        streams depends on what the ones before it streamed, so those are computed first, in order, each from the
+        tokens up to its own: the texts an eager decode at every token would have sent."""
+        while len(req.stream_texts) < n:
+            j = len(req.stream_texts) + 1
+            text = req.text if req.text_tokens == j else self.tokenizer.decode(req.tokens[:j])
+            req.stream_texts.append(self._new_text(req, text, done and j == n))
+        return req.stream_texts[n - 1]
 
     @staticmethod
-    def _new_text(req: _Request, done: bool) -> str:
-        """Text to stream now: held back while it ends inside a multi-byte character (U+FFFD)."""
-        if (not done and req.text.endswith("\ufffd")) or not req.text.startswith(req.streamed):
+    def _new_text(req: _Request, text: str, done: bool) -> str:
+        """What to stream now that the output reads ``text``: held back while it ends inside a multi-byte
+        character (U+FFFD)."""
+        if (not done and text.endswith("\ufffd")) or not text.startswith(req.streamed):
             return ""
-        new, req.streamed = req.text[len(req.streamed):], req.text
+        new, req.streamed = text[len(req.streamed):], text
         return new
 
     def _finish(self, req: _Request, reason: Optional[str], error: Optional[str] = None) -> None:
+        if req.text_tokens != len(req.tokens):  # not decoded since its last token (no stop strings)
+            self._decode_text(req)
         out = Output(req.id, req.prompt, req.tokens, req.text, reason, error, preemptions=req.preemptions)
         if req.id in self.cache.rows:
             entries = self.cache.entries(req.id)

@@ -129,12 +129,15 @@ class Scorer:
     logits summed over them). ``code_bits``: bits of a per-entry hash code (0: none). ``query_priority``:
     :meth:`priority` reads the current query; when False it depends on the entries alone, so a caller may
     choose the victims of several layers at once, before their queries exist (the engine's decode step).
+    ``key_scores``: :meth:`new_scores` reads the keys; when False new entries score 0, so a caller may record
+    the new tokens of several layers at once (:func:`record_token`), before their keys exist.
     """
 
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = PolicyConfig
     attention: ClassVar[Optional[str]] = None
     query_priority: ClassVar[bool] = False
+    key_scores: ClassVar[bool] = False
     code_bits: int = 0
 
     def __init__(self, cfg: PolicyConfig, head_dim: int, group: int, scale: float):
@@ -163,7 +166,8 @@ class Scorer:
         return k.new_zeros(k.shape[:3], dtype=torch.float32)
 
     def new_scores(self, k: torch.Tensor) -> torch.Tensor:
-        """Score of freshly written entries ``k [N, d]`` -> ``[N]`` (before the query attends)."""
+        """Score of freshly written entries ``k [N, d]`` -> ``[N]`` (before the query attends). Default: zeros; a
+        scorer that overrides it with scores of the keys sets ``key_scores``."""
         return torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
 
     def codes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -242,11 +246,29 @@ def choose_victims(scorer: Scorer, entries: Entries, q: torch.Tensor, step: Step
 
 
 def insert(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> None:
-    """Record token ``t [N]`` with keys ``k [N, d]`` in slot ``slot [N]`` of every row."""
-    index = slot[:, None]
+    """Record token ``t [N]`` with keys ``k [N, d]`` in slot ``slot [N]`` of every row: :func:`record_token`,
+    then :func:`record_keys`."""
+    record_token(scorer, entries, slot, t)
+    record_keys(scorer, entries, slot, k)
+
+
+def record_token(scorer: Scorer, entries: Entries, slot: torch.Tensor, t: torch.Tensor) -> None:
+    """The part of :func:`insert` that does not read the keys: token ``t [N]``'s position in slot ``slot [..., N]``
+    of every row and, when the scorer's new scores are zeros (``scorer.key_scores`` False), its score. The entries
+    and ``slot`` may have leading dims (``[..., N, L]``: e.g. every layer of a decode step at once)."""
+    index = slot.unsqueeze(-1)  # [..., N, 1]
     t = t if t.dtype == entries.positions.dtype else t.to(entries.positions.dtype)
-    entries.positions.scatter_(1, index, t[:, None])
-    entries.scores.scatter_(1, index, scorer.new_scores(k)[:, None])
+    entries.positions.scatter_(-1, index, t[:, None].expand(index.shape))
+    if not scorer.key_scores:
+        entries.scores.scatter_(-1, index, 0.0)
+
+
+def record_keys(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor) -> None:
+    """The part of :func:`insert` that reads the keys ``k [N, d]`` written in slot ``slot [N]`` of every row: their
+    scores (``scorer.key_scores``) and hash codes (``scorer.code_bits``)."""
+    index = slot[:, None] if scorer.key_scores or entries.codes is not None else None
+    if scorer.key_scores:
+        entries.scores.scatter_(1, index, scorer.new_scores(k)[:, None])
     if entries.codes is not None:
         codes = scorer.codes(k)  # [N, nbytes]
         entries.codes.scatter_(1, index[:, :, None].expand(-1, 1, codes.shape[-1]), codes[:, None])

@@ -14,6 +14,7 @@ from dmc_train.policies.base import PolicyConfig, Scorer
 class Knorm(Scorer):
     name = "knorm"
     Config = PolicyConfig
+    key_scores = True  # new entries are scored by their key's norm
 
     def prompt_scores(self, q, k, layer):
         return self.new_scores(k)

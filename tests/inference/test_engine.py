@@ -120,6 +120,58 @@ def test_stop_tokens_and_streaming(make_model):
     assert events[-1].finished and events[-1].finish_reason == "stop_token"
 
 
+class ByteTokenizer:
+    """Ids as UTF-8 bytes of a few multi-byte characters, so that an output often ends inside one (U+FFFD)."""
+
+    vocab_size = SHAPE.vocab_size
+    eos_id = None
+    BYTES = ["é".encode(), "€".encode(), b"a", b" "]
+
+    def decode(self, ids):
+        return b"".join(self.BYTES[i % 4][: 1 + i % 3] for i in ids).decode("utf-8", errors="replace")
+
+
+def streamed_eagerly(tok, tokens, final_text):
+    """The texts streaming sends, token by token: the output decoded after each token, held back while it ends
+    inside a multi-byte character or does not extend what was sent (the engine's rule, written out)."""
+    sent, texts = "", []
+    for j in range(1, len(tokens) + 1):
+        text = final_text if j == len(tokens) else tok.decode(tokens[:j])
+        if (j < len(tokens) and text.endswith("\ufffd")) or not text.startswith(sent):
+            texts.append("")
+        else:
+            texts.append(text[len(sent):])
+            sent = text
+    return texts
+
+
+@pytest.mark.parametrize("read", ["at_once", "after_the_run", "some_then_all", "backwards"])
+def test_streamed_text_does_not_depend_on_when_it_is_read(make_model, read):
+    """Events' text is decoded when first read (requests without stop strings): read as produced, after the run,
+    partly or last first, every request's events send the texts of an eager decode at every token, and its output
+    text."""
+    engine = Engine(make_model("full"), ByteTokenizer(), max_batch=3)
+    params = [SamplingParams(max_new_tokens=20, temperature=1.0, seed=s, stop=["é€"] if s == 2 else ())
+              for s in range(5)]
+    events = []
+    for event in engine.stream(PROMPTS[:5], params):
+        if read == "at_once" or (read == "some_then_all" and event.token is not None and event.token % 3 == 0):
+            event.text
+        events.append(event)
+    if read == "backwards":  # a request's last event first: every event before it is computed then
+        for event in events[::-1]:
+            event.text
+    tok = ByteTokenizer()
+    for i in range(5):
+        out = engine.finished[i]
+        mine = [e for e in events if e.request_id == i]
+        assert [e.token for e in mine] == out.tokens and mine[-1].finished
+        assert [e.text for e in mine] == streamed_eagerly(tok, out.tokens, out.text)
+        if out.finish_reason != "stop_string":
+            assert out.text == tok.decode(out.tokens)
+    assert any("\ufffd" in tok.decode(engine.finished[i].tokens[:j]) for i in range(5) for j in range(1, 10))
+
+
 def test_generation_stops_at_the_models_maximum_positions(make_model):
     out = Engine(make_model("full")).generate([[1] * (SHAPE.max_positions - 3)], SamplingParams(max_new_tokens=50))[0]
     assert out.finish_reason == "max_positions" and len(out.tokens) == 3

@@ -32,7 +32,7 @@ import torch
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.caches.full import causal_attention
 from dmc_train.inference.pool import PagePool
-from dmc_train.policies.base import Entries, Scorer, Step, insert, victim_slots
+from dmc_train.policies.base import Entries, Scorer, Step, insert, record_keys, record_token, victim_slots
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
 from kernels.paged import DecodePlan
 
@@ -56,7 +56,8 @@ class DecodeStep:
     - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
     - ``slots [len(layers), N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
       slot, for every layer at once when the policy's priority does not read the query (else None: chosen
-      layer by layer)."""
+      layer by layer); ``recorded``: the new token's position (and zero score) already recorded in every layer's
+      state at once (:func:`~dmc_train.policies.base.record_token`), only what reads the keys left per layer."""
 
     seq_ids: tuple
     layers: list[int]
@@ -70,6 +71,7 @@ class DecodeStep:
     policy: Optional[Step] = None
     slots: Optional[torch.Tensor] = None
     flat: Optional[torch.Tensor] = None
+    recorded: bool = False
 
 
 class EvictingCache(KVCache):
@@ -104,6 +106,8 @@ class EvictingCache(KVCache):
 
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
     _step: Optional[DecodeStep] = None  # the decode step begun
+    _facts: Optional[tuple] = None  # (batch rows, heads, prompt_len, horizon) of the running batch (_row_facts)
+    _full_plan: Optional[tuple] = None  # (batch rows, layers, plan) of the last step whose rows were all full (_plan)
 
     def row_state(self) -> dict[str, torch.Tensor]:
         """The per-row state a decode step reads and updates (name -> ``[rows, ...]``, an attribute of the cache)."""
@@ -186,12 +190,23 @@ class EvictingCache(KVCache):
         state = {name: t[rows] for name, t in self.row_state().items()}
         if "positions" in state:
             state["positions"] = state["positions"].long()
-        step = DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows, self.pool.plan(rows, new_lens),
-                          state)
+        step = DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows,
+                          self._plan(rows, layers, new_lens, n_full), state)
         if n_full == 0:  # every row appends
             step.slots = lens.expand(len(layers), -1)
             step.flat = self.pool.slots(rows, step.slots)
         return step
+
+    def _plan(self, rows: torch.Tensor, layers: list[int], lens: torch.Tensor, n_full: int) -> DecodePlan:
+        """The attention plan of ``rows [len(layers), N]`` holding ``lens [N]`` entries after the step. While every
+        row of an unchanged batch is at its budget nothing grows and no page is taken, so the plan of the last
+        such step is reused."""
+        if n_full < len(lens):
+            return self.pool.plan(rows, lens)
+        cached = self._full_plan
+        if cached is None or cached[0] is not self._batch_rows or cached[1] != layers:
+            cached = self._full_plan = (self._batch_rows, layers, self.pool.plan(rows, lens))
+        return cached[2]
 
     def _finish(self, step: DecodeStep) -> None:
         """Write the step's per-row state back."""
@@ -200,15 +215,29 @@ class EvictingCache(KVCache):
 
     def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
         """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at
-        its first layer: then also every layer's victims, when the priority does not read the query)."""
+        its first layer: then also every layer's victims, when the priority does not read the query, and the new
+        token recorded in every layer's state)."""
         if step.policy is None:
-            rows, hk = step.rows[0], self.num_kv_heads
-            t = positions.long().repeat_interleave(hk)
-            step.policy = Step(layer, torch.arange(hk).repeat(len(step.seq_ids)), t, t - self.prompt_len[rows].long(),
-                               self.horizon[rows].long(), hk)
+            heads, prompt_len, horizon = self._row_facts(step.rows[0])
+            t = positions.long().repeat_interleave(self.num_kv_heads)
+            step.policy = Step(layer, heads, t, t - prompt_len, horizon, self.num_kv_heads)
             if step.slots is None and not self.scorer.query_priority:
                 self._choose_all(step)
+            if step.slots is not None:  # every layer's slots are known: one write of the positions for all layers
+                record_token(self.scorer, Entries(step.state["positions"], step.state["scores"]), step.slots, t)
+                step.recorded = True
         return dataclasses.replace(step.policy, layer=layer)
+
+    def _row_facts(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(heads, prompt_len, horizon)``, each ``[N]`` int64, of ``rows [N]`` (one layer's rows of the decode
+        step's batch, ordered [sequence, KV head]; every layer's rows of a sequence share them): each row's KV head,
+        its sequence's prompt length and generation length. They change only when a sequence joins or leaves, so
+        they are computed again only when the batch's rows (:meth:`batch_rows`) were stacked again."""
+        batch = self._batch_rows
+        if self._facts is None or self._facts[0] is not batch:
+            heads = torch.arange(self.num_kv_heads).repeat(len(rows) // self.num_kv_heads)
+            self._facts = (batch, heads, self.prompt_len[rows].long(), self.horizon[rows].long())
+        return self._facts[1:]
 
     def _choose_all(self, step: DecodeStep) -> None:
         """``step.slots`` and ``step.flat`` of every layer at once: one victim choice over the entries of every layer
@@ -259,7 +288,10 @@ class EvictingCache(KVCache):
                         self.pool.k_pages.view(-1, k.shape[-1]).index_select(0, gone).view(-1, hk, 1, k.shape[-1]),
                         self.pool.v_pages.view(-1, v.shape[-1]).index_select(0, gone).view(-1, hk, 1, v.shape[-1]))
         self.pool.write_slots(flat, k, v)
-        insert(self.scorer, entries, slot, k, policy.t)
+        if step.recorded:
+            record_keys(self.scorer, entries, slot, k)
+        else:
+            insert(self.scorer, entries, slot, k, policy.t)
         out, attention = self.attend(step, index, q, self.scorer.attention)
         if attention is not None and attention.shape[1] < self.budget:
             attention = torch.nn.functional.pad(attention, (0, self.budget - attention.shape[1]))
