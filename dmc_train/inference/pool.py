@@ -238,9 +238,11 @@ class PagePool:
         (:func:`kernels.paged.paged_decode_plan`). ``lens [n]``: the rows' lengths (default ``seq_lens`` of
         ``rows``, which must be 1-d then); with leading dims (e.g. ``[layers, n]``), the rows of every leading
         index must hold ``lens``."""
-        if lens is None:
-            lens = self.seq_lens[rows]
-        return paged_decode_plan(self.block_table[rows], lens, self.page_size, self.page_bytes, self.dtype)
+        return self.plan_table(self.block_table[rows], self.seq_lens[rows] if lens is None else lens)
+
+    def plan_table(self, table: torch.Tensor, lens: torch.Tensor) -> DecodePlan:
+        """:meth:`plan` of rows whose block table ``[..., n, max_pages]`` (``block_table[rows]``) the caller took."""
+        return paged_decode_plan(table, lens, self.page_size, self.page_bytes, self.dtype)
 
     def attend_planned(self, plan: DecodePlan, q: torch.Tensor, scale: float, index: Optional[int] = None,
                        scores: str | None = None, return_lse: bool = False):

@@ -91,9 +91,9 @@ def library() -> Optional[ctypes.CDLL]:
                       stacklevel=2)
         return None
     lib = ctypes.CDLL(str(path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                                     ptr, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i64, i64, i64, i64, i64, ctypes.c_float,
+                                     ptr, ptr, ptr, i64, i32, i32]
     lib.paged_decode_f32.restype = ctypes.c_int
     lib.dmc_update_f32.argtypes = [ptr] * 6 + [i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
                                                i64, i64, i64, i64, i64]
@@ -126,15 +126,16 @@ def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     if table.stride(-1) != 1:
         table = table.contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
+    lens = seq_lens if seq_lens.dtype in (torch.int32, torch.int64) else seq_lens.to(torch.int64)
+    lens = lens.contiguous()
     out = torch.empty(R, G, dv)
     lse = torch.empty(R, G) if return_lse else None
     width = int(lens.max()) if scores is not None and R else 0
     s = torch.empty(R, width) if scores is not None else None
     failed = library().paged_decode_f32(
         q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table.data_ptr(), table.stride(0) if R else 0,
-        lens.data_ptr(), R, G, d, dv, k_pages.shape[1], scale, out.data_ptr(), _ptr(lse), _ptr(s), width,
-        SCORE_MODES[scores], torch.get_num_threads())
+        lens.data_ptr(), lens.dtype == torch.int32, R, G, d, dv, k_pages.shape[1], scale, out.data_ptr(), _ptr(lse),
+        _ptr(s), width, SCORE_MODES[scores], torch.get_num_threads())
     if failed:
         raise MemoryError(f"paged attention on CPU: no memory for the scores of {R} rows of up to {width} entries")
     return pack_outputs(out, s, lse)

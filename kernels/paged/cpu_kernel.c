@@ -80,16 +80,17 @@ static void attend_row(const float *q, const float *k_pages, const float *v_page
 }
 
 /* q [rows, groups, d], k_pages [P, page_size, d], v_pages [P, page_size, dv] (contiguous fp32);
- * block_table [rows, table_stride] int32 (row r's pages in order); seq_lens [rows] int64 (>= 1);
+ * block_table [rows, table_stride] int32 (row r's pages in order); seq_lens [rows] int64, or int32 when
+ * lens_int32 (>= 1);
  * out [rows, groups, dv]; lse [rows, groups] or NULL; scores [rows, scores_width] or NULL. */
 int paged_decode_f32(const float *q, const float *k_pages, const float *v_pages, const int32_t *block_table,
-                     int64_t table_stride, const int64_t *seq_lens, int64_t rows, int64_t groups, int64_t d,
+                     int64_t table_stride, const void *seq_lens, int lens_int32, int64_t rows, int64_t groups, int64_t d,
                      int64_t dv, int64_t page_size, float scale, float *out, float *lse, float *scores,
                      int64_t scores_width, int scores_mode, int num_threads) {
   int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = seq_lens[r];
+    const int64_t len = lens_int32 ? ((const int32_t *)seq_lens)[r] : ((const int64_t *)seq_lens)[r];
     float *kept = scores_mode == 1 ? malloc(sizeof(float) * groups * len) : NULL;
     if (scores_mode == 1 && !kept) {
 #pragma omp atomic write

@@ -85,7 +85,7 @@ class DMCCache(KVCache):
     needs_decisions = True
     prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
     _step: Optional[_DecodeStep] = None  # the decode step begun (PyTorch attention path)
-    _reserved: Optional[tuple] = None  # (seq_ids, reservation) of the decode step begun (kernel path)
+    _reserved: Optional[tuple] = None  # (seq_ids, reservation, rows [L, R], tables [L, R, pages]): kernel path
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)
@@ -149,7 +149,7 @@ class DMCCache(KVCache):
         if reserved is None:  # a row at the model's positions: per-layer path
             return
         if reads_block_table(self.pool.k_pages.device, self.pool.dtype):
-            self._reserved = (tuple(seq_ids), reserved)
+            self._reserved = (tuple(seq_ids), reserved, rows, self.pool.block_table[rows])  # tables final now
             return
         try:
             lens = self.pool.seq_lens[rows].long()
@@ -183,7 +183,7 @@ class DMCCache(KVCache):
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         step = self._step
         if step is None or step.seq_ids != tuple(seq_ids):
-            reserved = self._reserved is not None and self._reserved[0] == tuple(seq_ids)
+            reserved = self._reserved if self._reserved is not None and self._reserved[0] == tuple(seq_ids) else None
             return self._decode_layer(layer, seq_ids, q, k, v, info, reserved)
         rows, lens, grown, merge_slot, append_slot, state, tokens, pages = step.layers[layer]
         b, h, d = q.shape
@@ -199,16 +199,19 @@ class DMCCache(KVCache):
         out = self.pool.attend_planned(plan, q.view(len(append), h // self.num_kv_heads, d), self.scale)
         return out.view(b, h, -1)
 
-    def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo, reserved: bool = False):
+    def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo, reserved: Optional[tuple] = None):
         """:meth:`decode` of one layer by :func:`kernels.paged.dmc_cache_update` on the cache's own state: grow
-        (``reserved``: the rows already hold the page an append takes, :meth:`begin_decode`; they grow by their
-        lengths alone), update and attend. Without :meth:`begin_decode`: the same results."""
-        rows = self.layer_rows(layer, seq_ids).flatten()
+        (``reserved``, :meth:`begin_decode`'s: the rows already hold the page an append takes and grow by their
+        lengths alone; their rows and block tables of every layer taken once), update and attend. Without
+        :meth:`begin_decode`: the same results."""
         append = info.alpha.reshape(-1) == 0
-        if reserved:
+        if reserved is not None:
+            rows, table = reserved[2][layer], reserved[3][layer]
             self.pool.seq_lens.index_add_(0, rows, append.to(torch.int32))
         else:
+            rows = self.layer_rows(layer, seq_ids).flatten()
             self.pool.grow(rows, self.pool.seq_lens[rows].long() + append.long())
+            table = self.pool.block_table[rows]
         dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
                          append, info.omega.reshape(-1), k.reshape(len(rows), -1), v.reshape(len(rows), -1),
                          self.open_k, self.open_v, self.open_w, self.open_tokens)
@@ -218,5 +221,6 @@ class DMCCache(KVCache):
             self.pool.write(rows, self.pool.seq_lens[rows] - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
                             self.open_v[rows].sum(1) / z)
         b, h, d = q.shape
-        out = self.pool.attend_planned(self.pool.plan(rows), q.view(len(rows), h // self.num_kv_heads, d), self.scale)
+        plan = self.pool.plan_table(table, self.pool.seq_lens[rows])
+        out = self.pool.attend_planned(plan, q.view(len(rows), h // self.num_kv_heads, d), self.scale)
         return out.view(b, h, -1)
