@@ -27,7 +27,7 @@ slot's state are written — never token by token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -52,6 +52,17 @@ def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: 
         k_t = info.rotate(k_t, info.positions[:, None])
     out = dmc_attention(q, k_t, v_t, info.alpha, scale=scale, free_channel=settings.channel)
     return out, k_t, v_t
+
+
+class _KernelStep(NamedTuple):
+    """What :meth:`DMCCache.begin_decode` prepares when kernels read the block table: the step's ``seq_ids``, the
+    ``reservation`` of :meth:`PagePool.reserve_next`, the rows ``[L, R]`` and their block tables ``[L, R, pages]``
+    (final once the pages are reserved: a row grows into its reserved page by its length alone)."""
+
+    seq_ids: tuple
+    reservation: tuple
+    rows: torch.Tensor
+    tables: torch.Tensor
 
 
 @dataclass
@@ -85,7 +96,7 @@ class DMCCache(KVCache):
     needs_decisions = True
     prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
     _step: Optional[_DecodeStep] = None  # the decode step begun (PyTorch attention path)
-    _reserved: Optional[tuple] = None  # (seq_ids, reservation, rows [L, R], tables [L, R, pages]): kernel path
+    _reserved: Optional[_KernelStep] = None  # the decode step begun (kernel path)
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)
@@ -149,7 +160,7 @@ class DMCCache(KVCache):
         if reserved is None:  # a row at the model's positions: per-layer path
             return
         if reads_block_table(self.pool.k_pages.device, self.pool.dtype):
-            self._reserved = (tuple(seq_ids), reserved, rows, self.pool.block_table[rows])  # tables final now
+            self._reserved = _KernelStep(tuple(seq_ids), reserved, rows, self.pool.block_table[rows])
             return
         try:
             lens = self.pool.seq_lens[rows].long()
@@ -171,7 +182,7 @@ class DMCCache(KVCache):
         step, self._step = self._step, None
         reserved, self._reserved = self._reserved, None
         if reserved is not None:
-            self.pool.return_unused(reserved[1])
+            self.pool.return_unused(reserved.reservation)
         if step is None:
             return
         rows = step.rows
@@ -183,8 +194,10 @@ class DMCCache(KVCache):
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         step = self._step
         if step is None or step.seq_ids != tuple(seq_ids):
-            reserved = self._reserved if self._reserved is not None and self._reserved[0] == tuple(seq_ids) else None
-            return self._decode_layer(layer, seq_ids, q, k, v, info, reserved)
+            kernel_step = self._reserved
+            if kernel_step is not None and kernel_step.seq_ids != tuple(seq_ids):
+                kernel_step = None
+            return self._decode_layer(layer, seq_ids, q, k, v, info, kernel_step)
         rows, lens, grown, merge_slot, append_slot, state, tokens, pages = step.layers[layer]
         b, h, d = q.shape
         append = torch.logical_not(info.alpha).reshape(-1)  # alpha is 0. or 1.
@@ -199,14 +212,14 @@ class DMCCache(KVCache):
         out = self.pool.attend_planned(plan, q.view(len(append), h // self.num_kv_heads, d), self.scale)
         return out.view(b, h, -1)
 
-    def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo, reserved: Optional[tuple] = None):
+    def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo, reserved: Optional[_KernelStep] = None):
         """:meth:`decode` of one layer by :func:`kernels.paged.dmc_cache_update` on the cache's own state: grow
         (``reserved``, :meth:`begin_decode`'s: the rows already hold the page an append takes and grow by their
         lengths alone; their rows and block tables of every layer taken once), update and attend. Without
         :meth:`begin_decode`: the same results."""
         append = info.alpha.reshape(-1) == 0
         if reserved is not None:
-            rows, table = reserved[2][layer], reserved[3][layer]
+            rows, table = reserved.rows[layer], reserved.tables[layer]
             self.pool.seq_lens.index_add_(0, rows, append.to(torch.int32))
         else:
             rows = self.layer_rows(layer, seq_ids).flatten()
