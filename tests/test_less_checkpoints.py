@@ -64,7 +64,7 @@ def test_resume_is_exact_and_reshards(layouts):
 
 def _same_layers(a, b) -> bool:
     """Every decoder-layer tensor of two inference models is equal (LlamaLayer's fused weights and norms)."""
-    names = ("qkv", "o", "gate_up", "down", "norm_in", "norm_mlp")
+    names = ("qkv_t", "o_t", "gate_up_t", "down_t", "norm_in", "norm_mlp")
     return all(torch.equal(getattr(x, n), getattr(y, n)) for x, y in zip(a.layers, b.layers) for n in names)
 
 

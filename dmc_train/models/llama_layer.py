@@ -44,11 +44,11 @@ def layer_names(i: int) -> list[str]:
 class LlamaLayer:
     """Layer ``index``'s weights, read by Hugging Face name, and its forward.
 
-    ``qkv [(H + 2 H_kv) d, hidden]`` (q_proj, k_proj, v_proj stacked), ``o [hidden, H d]``,
-    ``gate_up [2 ffn, hidden]`` (gate_proj, up_proj stacked), ``down [hidden, ffn]``, ``norm_in`` and
-    ``norm_mlp [hidden]``. The projections are stored transposed, ``[in, out]`` contiguous (``qkv_t``, ``o_t``,
-    ``gate_up_t``, ``down_t``; ``qkv`` etc. are their transposed views): ``x @ w_t`` of a few rows (a decode
-    step) runs 1.5-2.5x faster on CPU than ``x @ w.T`` of the Hugging Face layout, and as fast for many rows."""
+    The projections are stored transposed, ``[in, out]`` contiguous: ``qkv_t [hidden, (H + 2 H_kv) d]`` (q_proj,
+    k_proj, v_proj stacked), ``o_t [H d, hidden]``, ``gate_up_t [hidden, 2 ffn]`` (gate_proj, up_proj stacked),
+    ``down_t [ffn, hidden]``; beside them ``norm_in`` and ``norm_mlp [hidden]``. ``x @ w_t`` of a few rows (a
+    decode step) runs 1.5-2.5x faster on CPU than ``x @ w.T`` of the Hugging Face layout, and as fast for many
+    rows. ``qkv`` is the stacked projections' Hugging Face layout (a view; LightCache reads its key rows)."""
 
     def __init__(self, index: int, weight: Callable[[str], torch.Tensor], head_dim: int, eps: float):
         p = f"model.layers.{index}."
@@ -65,19 +65,8 @@ class LlamaLayer:
 
     @property
     def qkv(self) -> torch.Tensor:
+        """The stacked q, k, v projections in the Hugging Face layout ``[(H + 2 H_kv) d, hidden]`` (a view)."""
         return self.qkv_t.T
-
-    @property
-    def o(self) -> torch.Tensor:
-        return self.o_t.T
-
-    @property
-    def gate_up(self) -> torch.Tensor:
-        return self.gate_up_t.T
-
-    @property
-    def down(self) -> torch.Tensor:
-        return self.down_t.T
 
     def attention_input(self, x: torch.Tensor) -> torch.Tensor:
         """The q, k and v heads of the tokens ``x [t, hidden]`` (rows = tokens): RMSNorm, then one matmul over the
