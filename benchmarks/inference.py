@@ -35,6 +35,8 @@ other round); the tables give median [min-max] over rounds:
 - per-token latency at equal batch (``--probe`` sequences for every model): the seconds of a decode step,
   which is every sequence's wait for its next token (goal: DMC within 1.15x of the GQA model of the same
   compression, ``dmcN`` against ``gqaN``);
+- the step's matmuls alone at each model's batch (:func:`matmul_seconds`, timed in the rounds): what a larger
+  batch costs whatever the cache, so the bound they put on the batch-ratio goal on this machine;
 - bytes a decode step reads (the weights, embedding excluded, + the KV pages and state held) / its time,
   and as a fraction of this machine's copy bandwidth (``dst.copy_(src)`` of a 256 MB fp32 tensor, counted
   2 x bytes / time as STREAM does, best of 5);
@@ -123,6 +125,22 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * src.element_size() / best
+
+
+def matmul_seconds(model, batch: int, repeats: int = 20) -> float:
+    """Seconds of a decode step's matmuls alone at ``batch`` rows (every layer's four projections and the LM
+    head, on random inputs, median of ``repeats``): the part of a step that grows with the batch whatever the
+    cache holds, the compute floor of the batch ratio on this machine."""
+    weights = [w for layer in model.layers for w in (layer.qkv_t, layer.o_t, layer.gate_up_t, layer.down_t)]
+    weights.append(model.lm_head_t)
+    inputs = [torch.randn(batch, w.shape[0], dtype=w.dtype) for w in weights]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for x, w in zip(inputs, weights):
+            torch.mm(x, w)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def run_batch(engine, batch: list[list[int]], new_tokens: int, weights: int, bucket: int = 64) -> dict:
@@ -357,8 +375,9 @@ def timed_rounds(setups: dict, args) -> dict:
             s = setups[name]
             if mode == "budget":
                 run = run_batch(s["engine"], s["prompts"], new, s["weights"])
-                for key in ("tokens_per_s", "read_per_s", "wall_tokens_per_s", "failed"):
+                for key in ("tokens_per_s", "step_s", "read_per_s", "wall_tokens_per_s", "failed"):
                     add(name, key, run[key])
+                add(name, "matmul_s", matmul_seconds(s["engine"].model, s["fits"]))
             elif mode == "probe":
                 run = run_batch(s["probe"], s["probe_prompts"], new, s["weights"], max(16, args.context // 8))
                 add(name, "probe_step_s", run["step_s"])
@@ -423,16 +442,29 @@ def goals(setups: dict, med: dict, base: str) -> None:
         ratio = x_base / (s["fits"] / setups[base]["fits"])
         print(f"  {name}: decode tokens/s {x_base:.2f}x base for {s['fits'] / setups[base]['fits']:.2f}x the batch = "
               f"{ratio:.2f} of the batch ratio (goal >= 0.9): {'met' if ratio >= 0.9 else 'NOT met'}")
+    print("  (x base / batch ratio = base's decode step / this model's, each at its batch. The matmuls alone, timed "
+          "at each batch in the rounds, bound it on this machine: if the rest of the step cost what the base's does, "
+          "the ratio would be at most base step / (base step + matmuls here - matmuls at base's batch))")
+    for name, s in list(setups.items())[1:]:
+        m, b = med[name], med[base]
+        bound = b["step_s"] / (b["step_s"] + m["matmul_s"] - b["matmul_s"])
+        print(f"  {name}: matmuls {m['matmul_s'] * 1e3:.2f} ms at batch {s['fits']} vs {b['matmul_s'] * 1e3:.2f} ms at "
+              f"{setups[base]['fits']}; base step {b['step_s'] * 1e3:.2f} ms, this step {m['step_s'] * 1e3:.2f} ms: "
+              f"ratio {b['step_s'] / m['step_s']:.2f}, bound by the matmuls {min(bound, 1):.2f}")
     for name in setups:
         peer = peer_of(name, setups)
         if peer:
             ratio = med[name]["probe_step_s"] / med[peer]["probe_step_s"]
             print(f"  {name} vs {peer}: per-token latency at equal batch {ratio:.2f}x (goal <= 1.15): "
                   f"{'met' if ratio <= 1.15 else 'NOT met'}")
-    for name in setups:
+    for name, s in setups.items():
         if "hf_tokens_per_s" in med[name]:
-            ratio = med[name]["wall_tokens_per_s"] / med[name]["hf_tokens_per_s"]
-            print(f"  {name}: engine {ratio:.2f}x transformers (goal >= 2): {'met' if ratio >= 2 else 'NOT met'}")
+            m = med[name]
+            ratio = m["wall_tokens_per_s"] / m["hf_tokens_per_s"]
+            # an engine whose every step were its matmuls alone (no prefill, no attention, no overhead)
+            bound = s["fits"] / (m["hf_tokens_per_s"] * m["matmul_s"])
+            print(f"  {name}: engine {ratio:.2f}x transformers (goal >= 2): {'met' if ratio >= 2 else 'NOT met'}; "
+                  f"an engine whose steps were their matmuls alone would be {bound:.2f}x")
         else:
             print(f"  {name}: engine vs transformers not measured")
 
