@@ -10,8 +10,9 @@ On CUDA (bf16):
 - Paged decode over per-(sequence, KV head) rows: Triton vs PyTorch vs flash-attn's
   ``flash_attn_with_kvcache`` (page size 256, when installed), with the achieved memory bandwidth
   (K/V bytes read per second) and its fraction of ``--peak-gbps``.
-On CPU (what runs here): the PyTorch paths' cost, and paged decode time growing with the tokens
-held (not with the block table's width).
+On CPU (what runs here): the PyTorch paths' cost, paged decode time growing with the tokens
+held (not with the block table's width), and paged decode at equal KV bytes with G = 1, 2, 4 query heads
+per KV row (GQA, issue #25), with and without the eviction policies' scores.
 
 Every line is a ratio measured in this run; timings are medians of ``--repeats`` calls.
 """
@@ -24,7 +25,7 @@ import torch
 
 from kernels import backend
 from kernels.dmc import dmc_attention, partial_accumulation
-from kernels.paged import paged_attention
+from kernels.paged import paged_attention, paged_attention_planned, paged_decode_plan
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -75,6 +76,43 @@ def paged_case(rows: int, tokens: int, width: int, page: int, device, dtype, g_h
     lens = torch.full((rows,), tokens, device=device, dtype=torch.int32)
     q = torch.randn(rows, g_heads, d, device=device, dtype=dtype)
     return q, k_pages, v_pages, table, lens
+
+
+def gqa_case(groups: int, rows: int = 32, d: int = 32, page: int = 16, lo: int = 200, hi: int = 500):
+    """``rows`` KV rows holding ``lo``-``hi`` entries each (pages shuffled in a pool), ``groups`` query heads per row:
+    the same KV bytes for every ``groups``. Returns the query and the arguments of paged_attention_planned."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(lo, hi + 1, (rows,), generator=g, dtype=torch.int32)
+    width = -(-hi // page)
+    k_pages, v_pages = torch.randn(rows * width, page, d, generator=g), torch.randn(rows * width, page, d, generator=g)
+    table = torch.randperm(rows * width, generator=g).view(rows, width).int()
+    plan = paged_decode_plan(table, lens, page, 2 * page * d * 4, torch.float32)
+    return torch.randn(rows, groups, d, generator=g), k_pages, v_pages, plan
+
+
+def gqa_report(repeats: int) -> None:
+    """Paged decode with G query heads per KV row at equal KV bytes: at equal KV bytes a GQA-4x model runs 4x the
+    batch of the base, so its attention has 4x the (query head, entry) pairs. Single calls, the G values
+    interleaved, medians."""
+    print("\npaged decode at equal KV bytes, G query heads per row (32 rows of 200-500 entries, d 32, page 16)")
+    print("threads | scores | G=1 ms | G=2 ms | G=4 ms | G=2 / G=1 | G=4 / G=1")
+    cases = {G: gqa_case(G) for G in (1, 2, 4)}
+    threads_before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for scores in (None, "probs", "logits"):
+                times = {G: [] for G in cases}
+                for _ in range(20 * repeats):
+                    for G, (q, kp, vp, plan) in cases.items():
+                        t0 = time.perf_counter()
+                        paged_attention_planned(q, kp, vp, plan, 32 ** -0.5, scores=scores)
+                        times[G].append(time.perf_counter() - t0)
+                ms = {G: statistics.median(t) * 1e3 for G, t in times.items()}
+                print(f"{threads:7d} | {str(scores):6s} | {ms[1]:6.3f} | {ms[2]:6.3f} | {ms[4]:6.3f} | "
+                      f"{ms[2] / ms[1]:9.2f} | {ms[4] / ms[1]:9.2f}")
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 def cuda_report(args, device) -> None:
@@ -141,6 +179,7 @@ def cpu_report(args) -> None:
         q, kp, vp, table, lens = paged_case(256, tokens, 4096, 16, device, torch.float32)
         t = timed(lambda: paged_attention(q, kp, vp, table, lens), args.repeats, device)
         print(f"{tokens:11d} | {t * 1e3:6.2f} | {t * 1e3 / (tokens / 1024):.2f}")
+    gqa_report(args.repeats)
 
 
 def main() -> None:

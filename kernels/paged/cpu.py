@@ -3,8 +3,9 @@
 The PyTorch path (``varlen.py``) gathers every row's pages into a padded copy and attends with batched matmuls;
 on CPU that costs a copy of the cache per layer, padding when rows hold different lengths (DMC's heads, an
 eviction policy's rows), and a plan of row groups per call. This kernel does what the Triton kernel does on
-GPUs: each row reads its own pages in place, page by page with an online softmax, rows spread over the
-OpenMP threads (as many as ``torch.get_num_threads()``). Same contract and outputs as
+GPUs: each row reads its own pages in place, in blocks of 16 entries with an online softmax (the row's query
+heads sharing each key and value loaded), rows spread over the OpenMP threads (as many as
+``torch.get_num_threads()``). Same contract and outputs as
 :func:`kernels.paged.paged_attention` (``scores`` "probs" / "logits", ``return_lse``), fp32 only. Beside it,
 DMC's decode-step update (:func:`kernels.paged.dmc_cache_update`: Algorithm 1 on each row's open slot, in the
 cache's own state, and the slot's entry written) in one call instead of a dozen tensor ops.
@@ -35,7 +36,7 @@ from ._checks import pack_outputs
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 # -ffp-contract=off: products rounded before they are added, as the PyTorch paths' elementwise ops (DMC's state)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
-MAX_GROUPS = 256  # query heads per KV head: their running max and sum (and a page of logits each) on the stack
+MAX_GROUPS = 256  # query heads per KV head: their running max and sums, a block's logits and partial sums on the stack
 SCORE_MODES = {None: 0, "probs": 1, "logits": 2}
 
 

@@ -27,6 +27,43 @@ def test_the_kernel_builds_and_runs_for_fp32_on_cpu():
     torch.testing.assert_close(out, reference_paged_attention(q, kp, vp, bt, lens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_the_head_sizes_compiled_as_constants_match_the_reference(d):
+    """d = dv = 32, 64, 128 run copies of the kernel compiled for those sizes: out, scores and lse within 1e-5 of
+    the reference, for rows of every length (whole and partial blocks of 16 entries)."""
+    q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=4, d=d, dv=d, seed=d)
+    for scores in (None, "probs", "logits"):
+        got = cpu.paged_attention_cpu(q, kp, vp, bt, lens, d ** -0.5, scores, return_lse=True)
+        ref = reference_paged_attention(q, kp, vp, bt, lens, scores=scores, return_lse=True)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [8, 24])
+def test_pages_that_are_not_whole_blocks_of_16_entries(page_size):
+    """The kernel attends up to 16 entries of one page at a time: pages of 8 and 24 entries split differently."""
+    q, kp, vp, bt, lens, _ = make_case(ragged_lens(page_size), G=2, d=32, dv=32, page_size=page_size, seed=page_size)
+    got = cpu.paged_attention_cpu(q, kp, vp, bt, lens, 0.2, "probs", return_lse=True)
+    ref = reference_paged_attention(q, kp, vp, bt, lens, 0.2, scores="probs", return_lse=True)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_peaked_softmax_weights_underflow_as_in_float64():
+    """Scale 20: logits up to ~100 apart, many weights below exp(-87.3), which the kernel's exponential makes 0.
+    Compared with the reference in float64 on the same inputs (float32 logits of ~100 are themselves only good to
+    ~1e-5, so the float32 reference is no yardstick here): out and probs within 1e-5, lse within 1e-6 relative."""
+    q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=4, d=32, dv=32, seed=8)
+    out, s, lse = cpu.paged_attention_cpu(q, kp, vp, bt, lens, 20.0, "probs", return_lse=True)
+    ref = reference_paged_attention(q.double(), kp.double(), vp.double(), bt, lens, 20.0, scores="probs",
+                                    return_lse=True)
+    torch.testing.assert_close(out.double(), ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, ref[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref[2].double(), rtol=1e-6, atol=1e-5)
+    held = torch.arange(s.shape[1]) < lens[:, None]
+    assert (s[held] == 0).any(), "no entry's weights all underflowed: the case does not test the cut-off"
+
+
 def test_a_plan_keeps_only_the_table_and_rows_read_their_own_pages():
     """Several layers' tables in one plan, rows of every length (no padding to the longest, no groups): each
     layer picked by ``index`` equals the reference over its own table."""
