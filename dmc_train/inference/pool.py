@@ -143,24 +143,31 @@ class PagePool:
 
         Raises :class:`OutOfPages` (and changes nothing) when the free list is too short.
         """
+        self.grow_pages(rows, new_lens)
+        self.seq_lens[rows] = new_lens.to(torch.int32)
+
+    def grow_pages(self, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
+        """:meth:`grow` without setting the lengths: ``rows [n]`` get the pages that ``new_lens [n]`` entries need,
+        and the caller sets the lengths (DMC's update op counts a step's appends itself). Raises
+        :class:`OutOfPages` (and changes nothing) when the free list is too short."""
         have, need = self.pages_for(self.seq_lens[rows]), self.pages_for(new_lens)
         extra = (need - have).clamp(min=0)
         needed = int(extra.sum())
-        if needed:  # (a row can pass the model's positions only by needing a page)
-            if needed > len(self.free_pages):
-                raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
-            longest = int(new_lens.max())
-            if longest > self.max_pages_per_row * self.page_size:
-                raise InferenceError(f"a row would hold {longest} entries, more than the model's "
-                                     f"{self.max_pages_per_row * self.page_size} positions")
-            # the pages pop() would take, in row order: row r's new pages go to its entries have[r]..need[r]-1
-            pages = self.free_pages[: -needed - 1: -1]
-            del self.free_pages[-needed:]
-            first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
-            index = have.repeat_interleave(extra) + torch.arange(needed) - first
-            self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
-            self.peak_pages = max(self.peak_pages, self.used_pages)
-        self.seq_lens[rows] = new_lens.to(torch.int32)
+        if not needed:
+            return
+        if needed > len(self.free_pages):  # (a row can pass the model's positions only by needing a page)
+            raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
+        longest = int(new_lens.max())
+        if longest > self.max_pages_per_row * self.page_size:
+            raise InferenceError(f"a row would hold {longest} entries, more than the model's "
+                                 f"{self.max_pages_per_row * self.page_size} positions")
+        # the pages pop() would take, in row order: row r's new pages go to its entries have[r]..need[r]-1
+        pages = self.free_pages[: -needed - 1: -1]
+        del self.free_pages[-needed:]
+        first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
+        index = have.repeat_interleave(extra) + torch.arange(needed) - first
+        self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
+        self.peak_pages = max(self.peak_pages, self.used_pages)
 
     def reserve_next(self, rows: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Give each of ``rows [n]`` whose last page is full the page its next entry would take, its length

@@ -103,8 +103,8 @@ class DMCCache(KVCache):
         self.settings = settings
         self.ring = settings.window if settings.accumulation == "window" else 1
         rows, d, dv = pool.block_table.shape[0], pool.k_pages.shape[-1], pool.v_pages.shape[-1]
-        # [rows, ring, d + d_v + 1]: the layout of kernels.paged.dmc_open_slot_step, so that a decode step gathers
-        # and writes back the state in one call; open_k, open_v, open_w are views of it
+        # [rows, ring, d + d_v + 1]: the layout of kernels.paged.dmc_cache_update (and of its dmc_open_slot_step, so
+        # that the PyTorch path's step gathers and writes back the state in one call); open_k, open_v, open_w: views
         self.open_state = torch.zeros(rows, self.ring, d + dv + 1)
         self.open_k = self.open_state[..., :d]  # omega-weighted keys of the open segment (exact: their sum)
         self.open_v = self.open_state[..., d:-1]
@@ -213,27 +213,25 @@ class DMCCache(KVCache):
         return out.view(b, h, -1)
 
     def _decode_layer(self, layer, seq_ids, q, k, v, info: TokenInfo, reserved: Optional[_KernelStep] = None):
-        """:meth:`decode` of one layer by :func:`kernels.paged.dmc_cache_update` on the cache's own state: grow
-        (``reserved``, :meth:`begin_decode`'s: the rows already hold the page an append takes and grow by their
-        lengths alone; their rows and block tables of every layer taken once), update and attend. Without
-        :meth:`begin_decode`: the same results."""
-        append = info.alpha.reshape(-1) == 0
+        """:meth:`decode` of one layer by :func:`kernels.paged.dmc_cache_update` on the cache's own state, which
+        grows the appending rows by one entry and returns the rows' lengths, then the attention over them.
+        ``reserved`` (:meth:`begin_decode`'s): the rows already hold the page an append takes, and their rows and
+        block tables of every layer were taken once; without it the layer first takes the pages its appends need
+        (:meth:`PagePool.grow_pages`): the same results."""
         if reserved is not None:
             rows, table = reserved.rows[layer], reserved.tables[layer]
-            self.pool.seq_lens.index_add_(0, rows, append.to(torch.int32))
         else:
             rows = self.layer_rows(layer, seq_ids).flatten()
-            self.pool.grow(rows, self.pool.seq_lens[rows].long() + append.long())
+            self.pool.grow_pages(rows, self.pool.seq_lens[rows] + (info.alpha.reshape(-1) == 0))
             table = self.pool.block_table[rows]
-        dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
-                         append, info.omega.reshape(-1), k.reshape(len(rows), -1), v.reshape(len(rows), -1),
-                         self.open_k, self.open_v, self.open_w, self.open_tokens)
+        lens = dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
+                                info.alpha, info.omega, k, v, self.open_state, self.open_tokens)
         if info.rotate is not None:  # pre: the open slot's raw average, rotated at the current position
             z = self.open_w[rows].sum(-1, keepdim=True)
             positions = info.positions.repeat_interleave(self.num_kv_heads)
-            self.pool.write(rows, self.pool.seq_lens[rows] - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
+            self.pool.write(rows, lens - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
                             self.open_v[rows].sum(1) / z)
         b, h, d = q.shape
-        plan = self.pool.plan_table(table, self.pool.seq_lens[rows])
+        plan = self.pool.plan_table(table, lens)
         out = self.pool.attend_planned(plan, q.view(len(rows), h // self.num_kv_heads, d), self.scale)
         return out.view(b, h, -1)
