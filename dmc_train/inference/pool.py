@@ -23,13 +23,10 @@ from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.units import parse_size
 from kernels.paged import (
     DecodePlan,
-    one_group_pages,
-    one_group_plan,
     paged_attention,
     paged_attention_planned,
     paged_decode_plan,
     paged_write,
-    reads_block_table,
     write_slots_torch,
 )
 
@@ -256,17 +253,3 @@ class PagePool:
         """:meth:`attend` of ``q [n, G, d]`` over the rows of ``plan`` (its ``[index]`` with leading dims)."""
         return paged_attention_planned(q, self.k_pages, self.v_pages, plan, scale, scores=scores,
                                        return_lse=return_lse, index=index)
-
-    def group_pages(self, rows: torch.Tensor, capacity: torch.Tensor) -> Optional[torch.Tensor]:
-        """Pages ``[..., n, pages]`` one attention group reads for ``rows [..., n]`` holding at most ``capacity
-        [..., n]`` entries each, lengths decided later (:func:`kernels.paged.one_group_pages`; e.g. every layer of
-        a DMC decode step); None when several groups would pay, or when the attention reads each row's own pages
-        (:func:`kernels.paged.reads_block_table`). :meth:`plan_group` plans the lengths held."""
-        if reads_block_table(self.k_pages.device, self.dtype):
-            return None
-        return one_group_pages(self.block_table[rows], capacity, self.page_size, self.page_bytes)
-
-    def plan_group(self, pages: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor) -> DecodePlan:
-        """The :meth:`attend_planned` plan of ``rows [n]`` holding ``lens [n]`` entries in ``pages [n, pages]``
-        (:meth:`group_pages`, computed at a capacity ``>= lens``)."""
-        return one_group_plan(pages, lens, self.page_size, self.block_table[rows])

@@ -42,11 +42,7 @@ kernel for fp32 decode attention and PyTorch for the rest):
 - :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append: the appending
   rows' lengths counted), the open slot's normalised state into its page entry, and the rows' new lengths
   returned for the attention. CPU, fp32 pages: ``cpu.py`` (one call); Triton: ``triton_kernels.py``; PyTorch:
-  ``writes.py`` (whose :func:`dmc_open_slot_step`, the state update alone on rows gathered side by side, a
-  caller may run on a step's own copy of the state).
-- :func:`one_group_pages` + :func:`one_group_plan` (PyTorch path): the pages one group of rows reads when their
-  lengths are decided later, at most a capacity each (every layer of a DMC decode step, planned once), and
-  the plan of the lengths they then hold (only the tail mask is recomputed).
+  ``writes.py``.
 
 References (``reference.py``, re-exported here): :func:`reference_paged_attention` (loop over rows and
 tokens), :func:`reference_attention_column_sums` (loop over queries and heads).
@@ -68,13 +64,11 @@ from .column_sums import attention_column_sums_torch
 from .cpu import cpu_kernel_fits, cpu_kernel_runs, dmc_cache_update_cpu, dmc_update_fits, paged_attention_cpu
 from .flash import flash_fits, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
-from .varlen import DecodePlan, attend_planned, one_group_pages, one_group_plan, paged_attention_torch, plan_decode
-from .writes import dmc_cache_update_torch, dmc_open_slot_step, paged_write_torch, write_slots_torch
+from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_decode
+from .writes import dmc_cache_update_torch, paged_write_torch, write_slots_torch
 
-__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "dmc_open_slot_step", "one_group_pages",
-           "one_group_plan", "paged_attention", "paged_attention_planned", "paged_decode_plan", "paged_write",
-           "reads_block_table",
-           "write_slots_torch",
+__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "paged_attention", "paged_attention_planned",
+           "paged_decode_plan", "paged_write", "reads_block_table", "write_slots_torch",
            "reference_attention_column_sums", "reference_paged_attention"]
 
 

@@ -4,8 +4,7 @@
   policy's in-place overwrite of a victim).
 - :func:`dmc_cache_update_torch`: one DMC decode step per row (Algorithm 1): merge the new token into
   the open slot's running state or start a new one (the row's length counted), then store the open slot's
-  normalised state ``u / z`` in its entry of the page. The state update itself is :func:`dmc_open_slot_step`, on
-  the rows' state gathered (the DMC cache runs it on a decode step's own copy for every layer).
+  normalised state ``u / z`` in its entry of the page.
 
 Open-slot state per row: ``open_state [rows, ring, d + d_v + 1]`` fp32, per ring slot the omega-weighted key and
 value side by side and their omega last, and ``open_tokens [rows]`` int64 (tokens in the open segment). ``ring = 1``
@@ -39,7 +38,7 @@ def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> N
     v_pages[page, positions % page_size] = v.to(v_pages.dtype)
 
 
-def dmc_open_slot_step(state, tokens, append, omega, kv1):
+def _open_slot_step(state, tokens, append, omega, kv1):
     """One Algorithm 1 step of the open slots of ``N`` rows, in place; returns their normalised state ``[N, D]``.
 
     ``state [N, ring, D + 1]`` fp32 (``D = d + d_v``; the module's layout), ``tokens [N]`` int64, ``append [N]``
@@ -62,7 +61,7 @@ def dmc_open_slot_step(state, tokens, append, omega, kv1):
 def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
                            open_tokens) -> torch.Tensor:
     """:func:`kernels.paged.dmc_cache_update` in tensor ops (inputs and output as there): the appending rows'
-    lengths counted, the rows' state gathered, stepped (:func:`dmc_open_slot_step`) and written back, the normalised
+    lengths counted, the rows' state gathered, stepped (:func:`_open_slot_step`) and written back, the normalised
     state written into entry ``len - 1``; returns ``lens [N]``."""
     n, d = rows.shape[0], k.shape[-1]
     append = (alpha == 0).reshape(n)
@@ -70,7 +69,7 @@ def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, alpha,
     lens = seq_lens[rows]
     state, tokens = open_state[rows], open_tokens[rows]
     kv1 = torch.cat([k, v, torch.ones_like(k[..., :1])], -1).view(n, -1)
-    avg = dmc_open_slot_step(state, tokens, append, omega.reshape(n), kv1)
+    avg = _open_slot_step(state, tokens, append, omega.reshape(n), kv1)
     open_state[rows], open_tokens[rows] = state, tokens
     paged_write_torch(k_pages, v_pages, block_table, rows, lens.long() - 1, avg[:, :d], avg[:, d:])
     return lens
