@@ -23,13 +23,10 @@ from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.units import parse_size
 from kernels.paged import (
     DecodePlan,
-    one_group_pages,
-    one_group_plan,
     paged_attention,
     paged_attention_planned,
     paged_decode_plan,
     paged_write,
-    reads_block_table,
     write_slots_torch,
 )
 
@@ -143,24 +140,31 @@ class PagePool:
 
         Raises :class:`OutOfPages` (and changes nothing) when the free list is too short.
         """
+        self.grow_pages(rows, new_lens)
+        self.seq_lens[rows] = new_lens.to(torch.int32)
+
+    def grow_pages(self, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
+        """:meth:`grow` without setting the lengths: ``rows [n]`` get the pages that ``new_lens [n]`` entries need,
+        and the caller sets the lengths (DMC's update op counts a step's appends itself). Raises
+        :class:`OutOfPages` (and changes nothing) when the free list is too short."""
         have, need = self.pages_for(self.seq_lens[rows]), self.pages_for(new_lens)
         extra = (need - have).clamp(min=0)
         needed = int(extra.sum())
-        if needed:  # (a row can pass the model's positions only by needing a page)
-            if needed > len(self.free_pages):
-                raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
-            longest = int(new_lens.max())
-            if longest > self.max_pages_per_row * self.page_size:
-                raise InferenceError(f"a row would hold {longest} entries, more than the model's "
-                                     f"{self.max_pages_per_row * self.page_size} positions")
-            # the pages pop() would take, in row order: row r's new pages go to its entries have[r]..need[r]-1
-            pages = self.free_pages[: -needed - 1: -1]
-            del self.free_pages[-needed:]
-            first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
-            index = have.repeat_interleave(extra) + torch.arange(needed) - first
-            self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
-            self.peak_pages = max(self.peak_pages, self.used_pages)
-        self.seq_lens[rows] = new_lens.to(torch.int32)
+        if not needed:
+            return
+        if needed > len(self.free_pages):  # (a row can pass the model's positions only by needing a page)
+            raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
+        longest = int(new_lens.max())
+        if longest > self.max_pages_per_row * self.page_size:
+            raise InferenceError(f"a row would hold {longest} entries, more than the model's "
+                                 f"{self.max_pages_per_row * self.page_size} positions")
+        # the pages pop() would take, in row order: row r's new pages go to its entries have[r]..need[r]-1
+        pages = self.free_pages[: -needed - 1: -1]
+        del self.free_pages[-needed:]
+        first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
+        index = have.repeat_interleave(extra) + torch.arange(needed) - first
+        self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
+        self.peak_pages = max(self.peak_pages, self.used_pages)
 
     def reserve_next(self, rows: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Give each of ``rows [n]`` whose last page is full the page its next entry would take, its length
@@ -249,17 +253,3 @@ class PagePool:
         """:meth:`attend` of ``q [n, G, d]`` over the rows of ``plan`` (its ``[index]`` with leading dims)."""
         return paged_attention_planned(q, self.k_pages, self.v_pages, plan, scale, scores=scores,
                                        return_lse=return_lse, index=index)
-
-    def group_pages(self, rows: torch.Tensor, capacity: torch.Tensor) -> Optional[torch.Tensor]:
-        """Pages ``[..., n, pages]`` one attention group reads for ``rows [..., n]`` holding at most ``capacity
-        [..., n]`` entries each, lengths decided later (:func:`kernels.paged.one_group_pages`; e.g. every layer of
-        a DMC decode step); None when several groups would pay, or when the attention reads each row's own pages
-        (:func:`kernels.paged.reads_block_table`). :meth:`plan_group` plans the lengths held."""
-        if reads_block_table(self.k_pages.device, self.dtype):
-            return None
-        return one_group_pages(self.block_table[rows], capacity, self.page_size, self.page_bytes)
-
-    def plan_group(self, pages: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor) -> DecodePlan:
-        """The :meth:`attend_planned` plan of ``rows [n]`` holding ``lens [n]`` entries in ``pages [n, pages]``
-        (:meth:`group_pages`, computed at a capacity ``>= lens``)."""
-        return one_group_plan(pages, lens, self.page_size, self.block_table[rows])

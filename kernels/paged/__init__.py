@@ -39,13 +39,10 @@ kernel for fp32 decode attention and PyTorch for the rest):
   PyTorch only: ``column_sums.py`` (blockwise over queries, at most ``block x n`` scores per head).
 - :func:`paged_write`: store entries at positions of rows (append; an eviction policy's in-place
   overwrite). PyTorch: ``writes.py``.
-- :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append) and the
-  open slot's normalised state into its page entry. CPU, fp32 pages: ``cpu.py`` (one call); PyTorch:
-  ``writes.py`` (whose :func:`dmc_open_slot_step`, the state update alone on rows gathered side by side, a
-  caller may run on a step's own copy of the state).
-- :func:`one_group_pages` + :func:`one_group_plan` (PyTorch path): the pages one group of rows reads when their
-  lengths are decided later, at most a capacity each (every layer of a DMC decode step, planned once), and
-  the plan of the lengths they then hold (only the tail mask is recomputed).
+- :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append: the appending
+  rows' lengths counted), the open slot's normalised state into its page entry, and the rows' new lengths
+  returned for the attention. CPU, fp32 pages: ``cpu.py`` (one call); Triton: ``triton_kernels.py``; PyTorch:
+  ``writes.py``.
 
 References (``reference.py``, re-exported here): :func:`reference_paged_attention` (loop over rows and
 tokens), :func:`reference_attention_column_sums` (loop over queries and heads).
@@ -67,13 +64,11 @@ from .column_sums import attention_column_sums_torch
 from .cpu import cpu_kernel_fits, cpu_kernel_runs, dmc_cache_update_cpu, dmc_update_fits, paged_attention_cpu
 from .flash import flash_fits, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
-from .varlen import DecodePlan, attend_planned, one_group_pages, one_group_plan, paged_attention_torch, plan_decode
-from .writes import dmc_cache_update_torch, dmc_open_slot_step, paged_write_torch, write_slots_torch
+from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_decode
+from .writes import dmc_cache_update_torch, paged_write_torch, write_slots_torch
 
-__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "dmc_open_slot_step", "one_group_pages",
-           "one_group_plan", "paged_attention", "paged_attention_planned", "paged_decode_plan", "paged_write",
-           "reads_block_table",
-           "write_slots_torch",
+__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "paged_attention", "paged_attention_planned",
+           "paged_decode_plan", "paged_write", "reads_block_table", "write_slots_torch",
            "reference_attention_column_sums", "reference_paged_attention"]
 
 
@@ -229,21 +224,34 @@ def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch
 
 
 def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, rows: torch.Tensor, append: torch.Tensor, omega: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, open_k: torch.Tensor, open_v: torch.Tensor,
-                     open_w: torch.Tensor, open_tokens: torch.Tensor) -> None:
-    """One DMC decode step (Algorithm 1) for ``rows [N]``, in place (see ``writes.py`` for the state layout).
+                     seq_lens: torch.Tensor, rows: torch.Tensor, alpha: torch.Tensor, omega: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, open_state: torch.Tensor,
+                     open_tokens: torch.Tensor) -> torch.Tensor:
+    """One DMC decode step (Algorithm 1) for ``rows [N]`` (distinct), in place; returns their lengths after it.
 
-    ``append [N]`` bool (True: close the open slot, start a new one with this token; False: merge it),
-    ``omega [N]`` importances, ``k [N, d]``, ``v [N, d_v]``. ``seq_lens`` already counts the step (the
-    caller grew appending rows by one and assigned their page); the open slot is entry
-    ``seq_lens[row] - 1``. State: ``open_k [rows, ring, d]``, ``open_v [rows, ring, d_v]``,
-    ``open_w [rows, ring]`` fp32, ``open_tokens [rows]`` int64; ``ring = 1`` exact, ``ring = w`` window.
+    ``alpha``: the hard decisions as the model gives them (float; ``0.`` appends: close the open slot and start a
+    new one with this token; ``1.``: merge the token into the open slot); ``omega``: importances; both hold N
+    values, ``[N]`` or ``[B, H_kv]`` (``N = B H_kv`` rows, sequence-major). ``k [N, d]`` or ``[B, H_kv, d]``,
+    ``v`` likewise with ``d_v``. ``seq_lens`` holds the rows' lengths before the step: the op adds one for each
+    appending row, whose new entry's page the caller has assigned in ``block_table`` (``PagePool.reserve_next``,
+    or pages grown beforehand). The open slot's normalised state goes into entry ``seq_lens[row] - 1``. Returns
+    ``lens [N]`` (``seq_lens``' dtype): ``seq_lens[rows]`` after the step, what the attention over the rows reads.
+
+    State of each pool row (fp32): ``open_state [rows, ring, d + d_v + 1]``, per ring slot the omega-weighted key
+    and value side by side and their omega last; ``open_tokens [rows]`` int64, the tokens of the open segment.
+    ``ring = 1``: exact accumulation; ``ring = w``: the window of the last w tokens (``writes.py``). Inputs already
+    in the kernel's dtype and layout are used as they are (no conversion call).
     """
-    if open_k.dtype != torch.float32 or open_tokens.dtype != torch.int64:
-        raise ValueError("the open-slot state must be float32 (open_k/open_v/open_w) and int64 (open_tokens)")
-    if get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_k, open_v, open_w):
-        return dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v, open_k,
-                                    open_v, open_w, open_tokens)
-    _impl("dmc_cache_update", k_pages.device)(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
-                                              open_k, open_v, open_w, open_tokens)
+    n, width = rows.shape[0], open_state.shape[-1]
+    if open_state.dtype != torch.float32 or open_tokens.dtype != torch.int64:
+        raise ValueError("the open-slot state must be float32 (open_state) and int64 (open_tokens)")
+    if not (alpha.numel() == omega.numel() == k.shape[:-1].numel() == v.shape[:-1].numel() == n
+            and width == k.shape[-1] + v.shape[-1] + 1):
+        raise ValueError(f"alpha {tuple(alpha.shape)}, omega {tuple(omega.shape)}, k {tuple(k.shape)} and v "
+                         f"{tuple(v.shape)} must hold one token for each of the {n} rows, and open_state "
+                         f"{tuple(open_state.shape)} d + d_v + 1 values per ring slot")
+    if get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_state):
+        return dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                                    open_tokens)
+    return _impl("dmc_cache_update", k_pages.device)(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k,
+                                                     v, open_state, open_tokens)

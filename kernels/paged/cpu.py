@@ -96,8 +96,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i64, i64, i64, i64, i64, ctypes.c_float,
                                      ptr, ptr, ptr, i64, i32, i32]
     lib.paged_decode_f32.restype = ctypes.c_int
-    lib.dmc_update_f32.argtypes = [ptr] * 6 + [i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
-                                               i64, i64, i64, i64, i64]
+    lib.dmc_update_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr,
+                                   i64, ptr, ptr, i64, i64, i64, i64, i64]
     lib.dmc_update_f32.restype = None
     return lib
 
@@ -142,23 +142,41 @@ def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float
     return pack_outputs(out, s, lse)
 
 
-def dmc_update_fits(k_pages, block_table, seq_lens, open_k, open_v, open_w) -> bool:
+def dmc_update_fits(k_pages, block_table, seq_lens, open_state) -> bool:
     """True when this kernel takes :func:`kernels.paged.dmc_cache_update`'s inputs: fp32 pages on CPU, the pool's
-    int32 block table and lengths, and each state tensor's last dim contiguous."""
+    int32 block table and lengths, and the state's last dim contiguous."""
     return (block_table.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-            and block_table.stride(-1) == 1 and open_k.stride(-1) == open_v.stride(-1) == 1
+            and block_table.stride(-1) == 1 and open_state.stride(-1) == 1
             and cpu_kernel_runs(k_pages.device, k_pages.dtype))
 
 
-def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
-                         open_k, open_v, open_w, open_tokens) -> None:
-    """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`dmc_update_fits`)."""
-    n, d = k.shape
-    rows, append = rows.to(torch.int64).contiguous(), append.to(torch.bool).contiguous()
-    omega, k, v = (t.to(torch.float32).contiguous() for t in (omega, k, v))
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as fp32 with its last dim contiguous: itself when it already is (no tensor call)."""
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(inner, outer stride, inner stride)`` of the rows of ``t [N, c]`` or ``[b, inner, c]``: row r starts at
+    ``(r // inner) * outer + (r % inner) * inner_stride``."""
+    return (1, t.stride(0), 0) if t.dim() == 2 else (t.shape[1], t.stride(0), t.stride(1))
+
+
+def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                         open_tokens) -> torch.Tensor:
+    """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`dmc_update_fits`).
+    Inputs that already have the kernel's dtype and layout are passed as they are."""
+    n = rows.shape[0]
+    if rows.dtype != torch.int64 or not rows.is_contiguous():
+        rows = rows.to(torch.int64).contiguous()
+    alpha, omega = (_f32(t).contiguous() for t in (alpha, omega))  # N values (contiguous(): no call when it is)
+    k, v = _f32(k), _f32(v)
+    (inner, sk_outer, sk_inner), (_, sv_outer, sv_inner) = _row_strides(k), _row_strides(v)
+    lens = torch.empty(n, dtype=torch.int32)
     library().dmc_update_f32(
-        rows.data_ptr(), append.data_ptr(), omega.data_ptr(), k.data_ptr(), v.data_ptr(),
-        open_k.data_ptr(), open_k.stride(0), open_k.stride(1), open_v.data_ptr(), open_v.stride(0), open_v.stride(1),
-        open_w.data_ptr(), open_w.stride(0), open_w.stride(1), open_tokens.data_ptr(), seq_lens.data_ptr(),
-        block_table.data_ptr(), block_table.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), n, open_k.shape[1],
-        d, v.shape[1], k_pages.shape[1])
+        rows.data_ptr(), alpha.data_ptr(), omega.data_ptr(), k.data_ptr(), sk_outer, sk_inner, v.data_ptr(),
+        sv_outer, sv_inner, inner, open_state.data_ptr(), open_state.stride(0), open_state.stride(1),
+        open_tokens.data_ptr(), seq_lens.data_ptr(), lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+        k_pages.data_ptr(), v_pages.data_ptr(), n, open_state.shape[1], k.shape[-1], v.shape[-1], k_pages.shape[1])
+    return lens

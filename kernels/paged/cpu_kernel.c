@@ -231,49 +231,45 @@ int paged_decode_f32(const float *q, const float *k_pages, const float *v_pages,
 }
 
 /* One DMC decode step per row (kernels/paged/writes.py, dmc_cache_update_torch, is the same in tensor ops):
- * rows [n] int64, append [n] bool, omega [n], k [n, d], v [n, dv] (contiguous); the open-slot state of pool row
- * `row` at open_k + row * sk_row (ring slot j at + j * sk_ring, d values), open_v likewise (dv values), open_w
- * (one value per slot), open_tokens [rows] int64; seq_lens [rows] int32 already count the step. An append
- * zeroes the state and the token count; the weighted [k | v | 1] then adds to the sums (ring 1: exact) or
- * replaces the ring slot tokens % ring (window); the normalised state, sum u / sum z over the ring, goes
- * into entry seq_lens[row] - 1 of the row's pages. */
-void dmc_update_f32(const int64_t *rows, const uint8_t *append, const float *omega, const float *k,
-                    const float *v, float *open_k, int64_t sk_row, int64_t sk_ring, float *open_v,
-                    int64_t sv_row, int64_t sv_ring, float *open_w, int64_t sw_row, int64_t sw_ring,
-                    int64_t *open_tokens, const int32_t *seq_lens, const int32_t *block_table,
-                    int64_t table_stride, float *k_pages, float *v_pages, int64_t n, int64_t ring, int64_t d,
-                    int64_t dv, int64_t page_size) {
+ * rows [n] int64; alpha [n] fp32, the hard decision (0 appends, anything else merges); omega [n] fp32; row r's new
+ * key at k + (r / inner) * sk_outer + (r % inner) * sk_inner (d values: k [n, d] with inner 1, or [b, inner, d]),
+ * its value likewise (dv values); ring slot j of pool row `row`'s open-slot state at state + row * s_row +
+ * j * s_ring: the omega-weighted key (d values), value (dv values), then their omega; open_tokens [rows] int64;
+ * seq_lens [rows] int32, the lengths before the step. An append adds one to seq_lens[row] (the caller assigned the
+ * page of that entry), zeroes the state and the token count; the weighted [k | v | 1] then adds to the sums (ring
+ * 1: exact) or replaces the ring slot tokens % ring (window); the normalised state, sum u / sum z over the ring,
+ * goes into entry seq_lens[row] - 1 of the row's pages, and lens[r] (int32) is the row's new length. */
+void dmc_update_f32(const int64_t *rows, const float *alpha, const float *omega, const float *k, int64_t sk_outer,
+                    int64_t sk_inner, const float *v, int64_t sv_outer, int64_t sv_inner, int64_t inner,
+                    float *state, int64_t s_row, int64_t s_ring, int64_t *open_tokens, int32_t *seq_lens,
+                    int32_t *lens, const int32_t *block_table, int64_t table_stride, float *k_pages, float *v_pages,
+                    int64_t n, int64_t ring, int64_t d, int64_t dv, int64_t page_size) {
+  const int64_t width = d + dv + 1;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t row = rows[r];
-    float *uk = open_k + row * sk_row, *uv = open_v + row * sv_row, *z = open_w + row * sw_row;
-    if (append[r]) {
-      for (int64_t j = 0; j < ring; ++j) {
-        memset(uk + j * sk_ring, 0, sizeof(float) * d);
-        memset(uv + j * sv_ring, 0, sizeof(float) * dv);
-        z[j * sw_ring] = 0.f;
-      }
+    const float *k_new = k + (r / inner) * sk_outer + (r % inner) * sk_inner;
+    const float *v_new = v + (r / inner) * sv_outer + (r % inner) * sv_inner;
+    float *u = state + row * s_row;
+    if (alpha[r] == 0.f) {
+      for (int64_t j = 0; j < ring; ++j) memset(u + j * s_ring, 0, sizeof(float) * width);
       open_tokens[row] = 0;
+      seq_lens[row] += 1;
     }
-    const int64_t slot = ring == 1 ? 0 : open_tokens[row] % ring;
     const float w = omega[r];
-    float *sk = uk + slot * sk_ring, *sv = uv + slot * sv_ring;
-    for (int64_t c = 0; c < d; ++c) sk[c] = (ring == 1 ? sk[c] : 0.f) + k[r * d + c] * w;
-    for (int64_t c = 0; c < dv; ++c) sv[c] = (ring == 1 ? sv[c] : 0.f) + v[r * dv + c] * w;
-    z[slot * sw_ring] = (ring == 1 ? z[slot * sw_ring] : 0.f) + w;
+    float *s = u + (ring == 1 ? 0 : open_tokens[row] % ring) * s_ring;
+    for (int64_t c = 0; c < d; ++c) s[c] = (ring == 1 ? s[c] : 0.f) + k_new[c] * w;
+    for (int64_t c = 0; c < dv; ++c) s[d + c] = (ring == 1 ? s[d + c] : 0.f) + v_new[c] * w;
+    s[d + dv] = (ring == 1 ? s[d + dv] : 0.f) + w;
     open_tokens[row] += 1;
+    lens[r] = seq_lens[row];
     const int64_t entry = seq_lens[row] - 1;
     const int64_t at = (int64_t)block_table[row * table_stride + entry / page_size] * page_size + entry % page_size;
     float *k_out = k_pages + at * d, *v_out = v_pages + at * dv, total = 0.f;
-    for (int64_t j = 0; j < ring; ++j) total += z[j * sw_ring];
-    for (int64_t c = 0; c < d; ++c) {
+    for (int64_t j = 0; j < ring; ++j) total += u[j * s_ring + d + dv];
+    for (int64_t c = 0; c < d + dv; ++c) {
       float sum = 0.f;
-      for (int64_t j = 0; j < ring; ++j) sum += uk[j * sk_ring + c];
-      k_out[c] = sum / total;
-    }
-    for (int64_t c = 0; c < dv; ++c) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < ring; ++j) sum += uv[j * sv_ring + c];
-      v_out[c] = sum / total;
+      for (int64_t j = 0; j < ring; ++j) sum += u[j * s_ring + c];
+      *(c < d ? k_out + c : v_out + (c - d)) = sum / total;  /* [k | v] side by side in the state */
     }
   }
 }

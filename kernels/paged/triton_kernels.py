@@ -12,7 +12,7 @@ they run under ``TRITON_INTERPRET=1``, which is how they are tested here). Layou
   over the G heads into ``[R, L]`` ("logits"). K is read once.
 - ``paged_write_triton``: one program per entry written.
 - ``dmc_cache_update_triton``: one program per row: Algorithm 1's merge-or-append on the open slot's
-  fp32 state, then the normalised state into its page entry.
+  fp32 state, the row's length counted on an append, then the normalised state into its page entry.
 """
 
 from __future__ import annotations
@@ -139,12 +139,13 @@ def paged_write_triton(k_pages, v_pages, block_table, rows, positions, k, v) -> 
 
 
 @triton.jit
-def _dmc_update_kernel(KP, VP, BT, LENS, ROWS, APPEND, OMEGA, K, V, OK, OV, OW, OT,
-                       s_kp, s_ks, s_vp, s_vs, s_btr, s_k, s_v, s_okr, s_okj, s_ovr, s_ovj, s_owr, s_owj, D, DV,
+def _dmc_update_kernel(KP, VP, BT, SEQ_LENS, LENS, ROWS, ALPHA, OMEGA, K, V, OS, OT,
+                       s_kp, s_ks, s_vp, s_vs, s_btr, s_k, s_v, s_sr, s_sj, D, DV,
                        RING: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # OS: the open-slot state, ring slot j of a row at OS + row * s_sr + j * s_sj: [omega k | omega v | omega]
     i = tl.program_id(0)
     row = tl.load(ROWS + i).to(tl.int64)
-    fresh = tl.load(APPEND + i) != 0
+    fresh = tl.load(ALPHA + i) == 0  # the hard decision: 0 appends
     w = tl.load(OMEGA + i).to(tl.float32)
     dd = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -161,32 +162,37 @@ def _dmc_update_kernel(KP, VP, BT, LENS, ROWS, APPEND, OMEGA, K, V, OK, OV, OW, 
         # exact (RING = 1): merges add to the sums; window: the newest token replaces the oldest
         keep = (~fresh) & (j != slot) if RING > 1 else ~fresh
         newest = tl.where(j == slot, w, 0.0)
-        new_k = tl.where(keep, tl.load(OK + row * s_okr + j * s_okj + dd, mask=md, other=0.0), 0.0) + newest * k
-        new_v = tl.where(keep, tl.load(OV + row * s_ovr + j * s_ovj + dv, mask=mv, other=0.0), 0.0) + newest * v
-        new_w = tl.where(keep, tl.load(OW + row * s_owr + j * s_owj), 0.0) + newest
-        tl.store(OK + row * s_okr + j * s_okj + dd, new_k, mask=md)
-        tl.store(OV + row * s_ovr + j * s_ovj + dv, new_v, mask=mv)
-        tl.store(OW + row * s_owr + j * s_owj, new_w)
+        at = OS + row * s_sr + j * s_sj
+        new_k = tl.where(keep, tl.load(at + dd, mask=md, other=0.0), 0.0) + newest * k
+        new_v = tl.where(keep, tl.load(at + D + dv, mask=mv, other=0.0), 0.0) + newest * v
+        new_w = tl.where(keep, tl.load(at + D + DV), 0.0) + newest
+        tl.store(at + dd, new_k, mask=md)
+        tl.store(at + D + dv, new_v, mask=mv)
+        tl.store(at + D + DV, new_w)
         num_k += new_k
         num_v += new_v
         z += new_w
     tl.store(OT + row, count + 1)
-    pos = tl.load(LENS + row).to(tl.int64) - 1
+    length = tl.load(SEQ_LENS + row) + fresh.to(tl.int32)  # an append's entry: its page is assigned
+    tl.store(SEQ_LENS + row, length.to(SEQ_LENS.dtype.element_ty))
+    tl.store(LENS + i, length.to(LENS.dtype.element_ty))
+    pos = length.to(tl.int64) - 1
     page = tl.load(BT + row * s_btr + pos // PAGE).to(tl.int64)
     tl.store(KP + page * s_kp + (pos % PAGE) * s_ks + dd, (num_k / z).to(KP.dtype.element_ty), mask=md)
     tl.store(VP + page * s_vp + (pos % PAGE) * s_vs + dv, (num_v / z).to(VP.dtype.element_ty), mask=mv)
 
 
-def dmc_cache_update_triton(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
-                            open_k, open_v, open_w, open_tokens) -> None:
-    n, d = k.shape
+def dmc_cache_update_triton(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                            open_tokens) -> torch.Tensor:
+    n = rows.shape[0]
+    lens = torch.empty(n, dtype=seq_lens.dtype, device=seq_lens.device)
     if n == 0:
-        return
-    k, v, omega = k.contiguous(), v.contiguous(), omega.float().contiguous()
+        return lens
+    k, v = k.reshape(n, -1).contiguous(), v.reshape(n, -1).contiguous()
+    alpha, omega = alpha.reshape(n).contiguous(), omega.reshape(n).float().contiguous()
     _dmc_update_kernel[(n,)](
-        k_pages, v_pages, block_table, seq_lens, rows.contiguous(), append.to(torch.int8).contiguous(), omega, k, v,
-        open_k, open_v, open_w, open_tokens,
+        k_pages, v_pages, block_table, seq_lens, lens, rows.contiguous(), alpha, omega, k, v, open_state, open_tokens,
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1), block_table.stride(0),
-        k.stride(0), v.stride(0), open_k.stride(0), open_k.stride(1), open_v.stride(0), open_v.stride(1),
-        open_w.stride(0), open_w.stride(1), d, v.shape[1],
-        RING=open_k.shape[1], PAGE=k_pages.shape[1], BLOCK_D=_pow2(d, 1), BLOCK_DV=_pow2(v.shape[1], 1))
+        k.stride(0), v.stride(0), open_state.stride(0), open_state.stride(1), k.shape[1], v.shape[1],
+        RING=open_state.shape[1], PAGE=k_pages.shape[1], BLOCK_D=_pow2(k.shape[1], 1), BLOCK_DV=_pow2(v.shape[1], 1))
+    return lens

@@ -101,28 +101,6 @@ def plan_decode(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     return DecodePlan(R, L, lens, groups, block_table)
 
 
-def one_group_pages(block_table: torch.Tensor, capacity: torch.Tensor, page_size: int,
-                    page_bytes: int) -> Optional[torch.Tensor]:
-    """The pages ``[..., R, n]`` (int64; a row's unused ones clamped to page 0) that one group of rows reads when
-    row ``[..., r]`` holds at most ``capacity [..., R]`` entries (``block_table [..., R, max_pages]``; e.g. every
-    layer of a DMC decode step, whose rows grow by their own decisions): ``n`` is the most pages any row uses.
-    None when more groups would pay (:func:`row_groups` over all the rows, each group paid once per leading
-    index: once per layer). :func:`one_group_plan` then plans the lengths the rows really hold."""
-    used = (capacity.long() + page_size - 1) // page_size
-    calls = max(1, used[..., 0].numel())
-    if len(row_groups(used.flatten(), page_bytes / calls)) > 1:
-        return None
-    return block_table[..., : int(used.max())].long().clamp(min=0)
-
-
-def one_group_plan(pages: torch.Tensor, lens: torch.Tensor, page_size: int, block_table: torch.Tensor) -> DecodePlan:
-    """The :class:`DecodePlan` of rows holding ``lens [R]`` (``>= 1``) entries in ``pages [R, n]``
-    (:func:`one_group_pages`; ``lens`` at most ``n * page_size``): one group, every row in order, each row's
-    tail past its last entry masked. ``block_table [R, max_pages]``: the rows' table the pages came from."""
-    tail = torch.arange(pages.shape[-1] * page_size, device=lens.device) >= lens[:, None]
-    return DecodePlan(lens.shape[0], int(lens.max()), lens, [RowGroup(None, pages, tail[:, None, :])], block_table)
-
-
 def _attend_group(q, k_pages, v_pages, g: RowGroup, scale: float, max_len: int, scores, return_lse: bool, index):
     """One group's ``(out [r, G, d_v], s [r, min(width, L)] or None, lse [r, G] or None)``."""
     r, width = g.tail.shape[0], g.tail.shape[2]

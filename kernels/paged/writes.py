@@ -3,15 +3,13 @@
 - :func:`paged_write_torch`: store entries at given positions of given rows (append, or an eviction
   policy's in-place overwrite of a victim).
 - :func:`dmc_cache_update_torch`: one DMC decode step per row (Algorithm 1): merge the new token into
-  the open slot's running state or start a new one, then store the open slot's normalised state
-  ``u / z`` in its entry of the page. The state update itself is :func:`dmc_open_slot_step`, on the rows'
-  state gathered side by side (the DMC cache runs it on a decode step's own copy for every layer).
+  the open slot's running state or start a new one (the row's length counted), then store the open slot's
+  normalised state ``u / z`` in its entry of the page.
 
-Open-slot state per row (fp32): ``open_k [rows, ring, d]``, ``open_v [rows, ring, d_v]`` (omega-weighted
-keys / values), ``open_w [rows, ring]`` (their omegas), ``open_tokens [rows]`` (tokens in the open
-segment). ``ring = 1`` is exact accumulation (merges add to the sums); ``ring = w`` keeps the segment's
-last ``w`` weighted tokens (a merge overwrites the oldest: the windowed accumulation of DMC's
-released inference).
+Open-slot state per row: ``open_state [rows, ring, d + d_v + 1]`` fp32, per ring slot the omega-weighted key and
+value side by side and their omega last, and ``open_tokens [rows]`` int64 (tokens in the open segment). ``ring = 1``
+is exact accumulation (merges add to the sums); ``ring = w`` keeps the segment's last ``w`` weighted tokens (a
+merge overwrites the oldest: the windowed accumulation of DMC's released inference).
 """
 
 from __future__ import annotations
@@ -40,15 +38,13 @@ def paged_write_torch(k_pages, v_pages, block_table, rows, positions, k, v) -> N
     v_pages[page, positions % page_size] = v.to(v_pages.dtype)
 
 
-def dmc_open_slot_step(state, tokens, append, omega, kv1):
+def _open_slot_step(state, tokens, append, omega, kv1):
     """One Algorithm 1 step of the open slots of ``N`` rows, in place; returns their normalised state ``[N, D]``.
 
-    ``state [N, ring, D + 1]`` fp32: per ring slot the omega-weighted ``[k | v]`` (``D = d + d_v``) and its omega
-    last (the layout of ``open_k``, ``open_v``, ``open_w`` side by side); ``tokens [N]`` int64: tokens in the
-    open segment; ``append [N]`` bool (close the open slot, start a new one with this token); ``omega [N]``;
-    ``kv1 [N, D + 1]``: the new token's ``[k | v | 1]``. ``ring = 1`` (exact): a merge adds to the sums, an
-    append starts them; ``ring = w`` (window): the newest token replaces the oldest. Returns ``sum u / sum z``
-    over the ring.
+    ``state [N, ring, D + 1]`` fp32 (``D = d + d_v``; the module's layout), ``tokens [N]`` int64, ``append [N]``
+    bool (close the open slot, start a new one with this token), ``omega [N]``, ``kv1 [N, D + 1]``: the new token's
+    ``[k | v | 1]``. ``ring = 1`` (exact): a merge adds to the sums, an append starts them; ``ring = w`` (window):
+    the newest token replaces the oldest. Returns ``sum u / sum z`` over the ring.
     """
     n, ring, width = state.shape
     new = as_dtype(kv1, torch.float32) * as_dtype(omega, torch.float32)[:, None]  # [N, D + 1]: omega k, omega v, omega
@@ -62,18 +58,18 @@ def dmc_open_slot_step(state, tokens, append, omega, kv1):
     return total[:, :-1] / total[:, -1:]
 
 
-def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, append, omega, k, v,
-                           open_k, open_v, open_w, open_tokens) -> None:
-    """One token per row: ``rows [N]``, ``append [N]`` bool, ``omega [N]``, ``k [N, d]``, ``v [N, d_v]``.
-
-    ``seq_lens`` are the rows' lengths *after* the step (the caller grew the appending rows by one and
-    gave them a page); the open slot is entry ``seq_lens[row] - 1``. Updates the state in place
-    (:func:`dmc_open_slot_step` on the rows' state gathered side by side, then scattered back).
-    """
-    d = k.shape[1]
-    state = torch.cat([open_k[rows], open_v[rows], open_w[rows][..., None]], -1)
-    tokens = open_tokens[rows]
-    avg = dmc_open_slot_step(state, tokens, append, omega, torch.cat([k, v, torch.ones_like(k[:, :1])], -1))
-    open_k[rows], open_v[rows], open_w[rows] = state[..., :d], state[..., d:-1], state[..., -1]
-    open_tokens[rows] = tokens
-    paged_write_torch(k_pages, v_pages, block_table, rows, seq_lens[rows].long() - 1, avg[:, :d], avg[:, d:])
+def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                           open_tokens) -> torch.Tensor:
+    """:func:`kernels.paged.dmc_cache_update` in tensor ops (inputs and output as there): the appending rows'
+    lengths counted, the rows' state gathered, stepped (:func:`_open_slot_step`) and written back, the normalised
+    state written into entry ``len - 1``; returns ``lens [N]``."""
+    n, d = rows.shape[0], k.shape[-1]
+    append = (alpha == 0).reshape(n)
+    seq_lens.index_add_(0, rows, append.to(seq_lens.dtype))
+    lens = seq_lens[rows]
+    state, tokens = open_state[rows], open_tokens[rows]
+    kv1 = torch.cat([k, v, torch.ones_like(k[..., :1])], -1).view(n, -1)
+    avg = _open_slot_step(state, tokens, append, omega.reshape(n), kv1)
+    open_state[rows], open_tokens[rows] = state, tokens
+    paged_write_torch(k_pages, v_pages, block_table, rows, lens.long() - 1, avg[:, :d], avg[:, d:])
+    return lens

@@ -144,10 +144,10 @@ def kernels_backend(request):
 
 @pytest.mark.parametrize("variant", DMC_VARIANTS)
 def test_dmc_decode_step_planned_once_equals_the_per_layer_path(make_model, variant, kernels_backend):
-    """begin_decode (pages reserved once per step for every layer; on the PyTorch path also the state gathered
-    and the attention pages chosen) gives the logits, pages, open-slot state and page accounting of each layer
-    growing and attending alone (the path without begin_decode); rows cross page boundaries on the way. With
-    the compiled CPU kernels and with the PyTorch paths."""
+    """begin_decode (pages reserved and every layer's rows and block tables taken once per step) gives the logits,
+    pages, open-slot state and page accounting of each layer growing its own rows first (the path without
+    begin_decode); rows cross page boundaries on the way. With the compiled CPU kernels and with the PyTorch
+    paths (what bf16 pages and a machine without a C compiler run)."""
     model = make_model(variant)
     g = torch.Generator().manual_seed(7)
     sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (70, 41, 55)]

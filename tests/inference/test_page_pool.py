@@ -57,6 +57,22 @@ def test_rows_are_limited_and_cannot_outgrow_the_model():
         p.grow(rows[:1], torch.tensor([33]))
 
 
+def test_growing_pages_leaves_the_lengths_to_the_caller():
+    """grow_pages takes the pages grow would take and sets no length (DMC's update op counts its appends itself);
+    the rows then grow into them by their lengths alone, and the same checks refuse what grow refuses."""
+    p, q = pool(), pool()
+    rows = p.new_rows(2)
+    q.new_rows(2)
+    p.grow(rows, torch.tensor([16, 5]))
+    q.grow(rows, torch.tensor([16, 5]))
+    p.grow_pages(rows, torch.tensor([17, 6]))
+    assert p.seq_lens[rows].tolist() == [16, 5] and p.used_pages == 3
+    q.grow(rows, torch.tensor([17, 6]))
+    assert torch.equal(p.block_table, q.block_table) and p.peak_pages == q.peak_pages == 3
+    with pytest.raises(InferenceError, match="would hold 65 entries, more than the model's 64 positions"):
+        p.grow_pages(rows[:1], torch.tensor([65]))
+
+
 def test_a_byte_budget_becomes_whole_pages_in_the_pool():
     fp32 = PagePool.bytes_per_page(16, 8, torch.float32)
     assert fp32 == 16 * (8 + 8) * 4 and PagePool.bytes_per_page(16, 8, torch.bfloat16, value_dim=4) == 16 * 12 * 2

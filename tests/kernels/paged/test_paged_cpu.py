@@ -131,29 +131,33 @@ def test_the_torch_backend_skips_the_kernel():
 @pytest.mark.parametrize("ring", [1, 3])
 @pytest.mark.parametrize("pattern", ["append", "merge", "alternate", "random"])
 def test_the_dmc_update_equals_the_pytorch_path_bit_for_bit(ring, pattern):
-    """20 decode steps of 3 rows of a pool (the first opens a slot), the state as the DMC cache keeps it (views of
-    one side-by-side buffer): pages, lengths, state and token counts equal, bit for bit."""
+    """20 decode steps of 4 rows of a pool (the first opens a slot), the decisions as the model gives them (alpha
+    ``[B, H_kv]``, 0. appends) and the new tokens as ``[B, H_kv, d]`` views of a wider tensor (as the model's heads
+    are): pages, lengths, state and token counts equal, bit for bit; the op counts the appends in the rows' lengths
+    and returns them."""
     d, dv, page_size = 8, 6, 4
     results = []
     for use in ("torch", "auto"):
         set_backend(use)
         try:
             g = torch.Generator().manual_seed(ring)
-            k_pages, v_pages = torch.zeros(24, page_size, d), torch.zeros(24, page_size, dv)
-            table = torch.arange(24, dtype=torch.int32).view(4, 6)
-            lens = torch.zeros(4, dtype=torch.int32)
-            side_by_side = torch.zeros(4, ring, d + dv + 1)
-            state = (side_by_side[..., :d], side_by_side[..., d:-1], side_by_side[..., -1],
-                     torch.zeros(4, dtype=torch.long))
-            rows = torch.tensor([2, 0, 3])
+            k_pages, v_pages = torch.zeros(36, page_size, d), torch.zeros(36, page_size, dv)
+            table = torch.arange(36, dtype=torch.int32).view(6, 6)
+            lens = torch.zeros(6, dtype=torch.int32)
+            state = (torch.zeros(6, ring, d + dv + 1), torch.zeros(6, dtype=torch.long))
+            rows = torch.tensor([2, 0, 5, 3])  # 2 sequences x 2 KV heads
+            appends = torch.zeros(4, dtype=torch.int32)
             for t in range(20):
-                append = {"append": torch.ones(3, dtype=torch.bool), "merge": torch.zeros(3, dtype=torch.bool),
-                          "alternate": torch.full((3,), t % 2 == 0),
-                          "random": torch.rand(3, generator=g) < 0.4}[pattern] | (t == 0)
-                lens[rows] += append.int()
-                dmc_cache_update(k_pages, v_pages, table, lens, rows, append, torch.rand(3, generator=g) + 0.1,
-                                 torch.randn(3, d, generator=g), torch.randn(3, dv, generator=g), *state)
-            results.append((k_pages, v_pages, lens, side_by_side, state[-1]))
+                append = {"append": torch.ones(4, dtype=torch.bool), "merge": torch.zeros(4, dtype=torch.bool),
+                          "alternate": torch.full((4,), t % 2 == 0),
+                          "random": torch.rand(4, generator=g) < 0.4}[pattern] | (t == 0)
+                appends += append.int()
+                heads = torch.randn(2, 2, 2 * d + dv, generator=g)  # [B, H_kv, ...]: k and v are strided views
+                got = dmc_cache_update(k_pages, v_pages, table, lens, rows, (~append).float().view(2, 2),
+                                       torch.rand(2, 2, generator=g) + 0.1, heads[..., d:2 * d], heads[..., 2 * d:],
+                                       *state)
+                assert torch.equal(got, appends) and got.dtype == torch.int32 and torch.equal(lens[rows], appends)
+            results.append((k_pages, v_pages, lens, *state))
         finally:
             set_backend("auto")
     for a, b in zip(*results):

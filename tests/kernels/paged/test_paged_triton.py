@@ -82,8 +82,7 @@ def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern):
             k_pages, v_pages = torch.zeros(16, page_size, d), torch.zeros(16, page_size, dv)
             table = torch.arange(16, dtype=torch.int32).view(rows_total, 4)
             lens = torch.ones(rows_total, dtype=torch.int32)
-            state = (torch.zeros(rows_total, ring, d), torch.zeros(rows_total, ring, dv),
-                     torch.zeros(rows_total, ring), torch.zeros(rows_total, dtype=torch.long))
+            state = (torch.zeros(rows_total, ring, d + dv + 1), torch.zeros(rows_total, dtype=torch.long))
             g.manual_seed(ring)
             rows = torch.tensor([2, 0, 3])
             for t in range(steps):
@@ -93,9 +92,10 @@ def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern):
                 if t == 0:
                     append = torch.ones(3, dtype=torch.bool)  # the first token opens a slot
                     lens[rows] = 0
-                lens[rows] += append.int()
-                dmc_cache_update(k_pages, v_pages, table, lens, rows, append, torch.rand(3, generator=g) + 0.1,
-                                 torch.randn(3, d, generator=g), torch.randn(3, dv, generator=g), *state)
+                got = dmc_cache_update(k_pages, v_pages, table, lens, rows, (~append).float(),
+                                       torch.rand(3, generator=g) + 0.1, torch.randn(3, d, generator=g),
+                                       torch.randn(3, dv, generator=g), *state)
+                assert torch.equal(got, lens[rows])  # the lengths after the step, appends counted
             states.append((k_pages, v_pages, lens, *state))
         finally:
             backend.set_backend("auto")
