@@ -101,14 +101,27 @@ def check_before_hydra(cfg: Any) -> None:
 
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    if rank:  # see OTHER_RANKS_WAIT_S: torchrun stops this rank here if rank 0 reported the same error
-        stop_handler = getattr(signal.signal(signal.SIGTERM, signal.SIG_DFL), "__self__", None)
-        if signal.SIGTERM in getattr(stop_handler, "seen", ()):  # torchrun's SIGTERM came already, recorded
-            _exit(code)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # from now on it ends this rank at once
-        time.sleep(OTHER_RANKS_WAIT_S)
+    if rank and _stopped_by_torchrun(OTHER_RANKS_WAIT_S):  # rank 0 reported the error: see OTHER_RANKS_WAIT_S
+        _exit(code)
     print(f"error: {message}" + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
     _exit(code)
+
+
+def _stopped_by_torchrun(wait_s: float) -> bool:
+    """Whether SIGTERM (torchrun stopping the other ranks when one fails) came already or comes within
+    ``wait_s``. The stop-signal recorder (``preemption.catch_early``) keeps its handler: replacing a Python
+    handler loses a signal that arrived but was not handled yet. Without a recorder SIGTERM's default action
+    ends this rank during the wait."""
+    recorder = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if not hasattr(recorder, "seen"):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a mask inherited from the node wrapper
+    deadline = time.monotonic() + wait_s
+    while signal.SIGTERM not in getattr(recorder, "seen", ()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _exit(code: int) -> None:

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from dmc_train.training.preemption import PreemptionHandler
+from tests.helpers import run
 
 
 def fake_scontrol(bin_dir, record, exit_code=0):
@@ -81,6 +82,39 @@ def test_trainer_handler_takes_over_what_the_early_one_recorded(slurm_env):
             assert not again.should_stop()
     finally:
         early.uninstall()
+
+
+def test_early_handler_gets_back_what_the_trainer_saw():
+    """The trainer's handler hands catch_early()'s handler back the signals it recorded, so that one knows every
+    signal the process got (cli.fail asks it whether torchrun's SIGTERM came), but acts on none of them again."""
+    early = PreemptionHandler().install()
+    try:
+        with PreemptionHandler() as trainer:
+            signal.raise_signal(signal.SIGTERM)  # e.g. torchrun's, while training unwinds from an error
+            assert trainer.seen == {signal.SIGTERM}
+        assert early.seen == {signal.SIGTERM} and early.received is None
+    finally:
+        early.uninstall()
+
+
+# rank 1 of two hits an error after training started: it stays silent if torchrun's SIGTERM came (rank 0 reported)
+FAIL_ON_RANK_1 = """
+import signal, sys
+from dmc_train import cli
+from dmc_train.training.preemption import PreemptionHandler, catch_early
+cli.OTHER_RANKS_WAIT_S = 0.5
+catch_early()
+with PreemptionHandler():  # train()'s, until the error leaves train()
+    if sys.argv[1] == "sigterm":
+        signal.raise_signal(signal.SIGTERM)
+cli.fail("boom")
+"""
+
+
+@pytest.mark.parametrize("case, stderr", [("sigterm", ""), ("none", "error: boom (rank 1)\n")])
+def test_other_rank_reports_only_if_torchrun_did_not_stop_it(case, stderr):
+    proc = run(["-c", FAIL_ON_RANK_1, case], env={"RANK": "1", "WORLD_SIZE": "2"}, check=False, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, stderr)
 
 
 def test_requeue_needs_slurm(slurm_env, monkeypatch):

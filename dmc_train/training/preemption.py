@@ -98,10 +98,16 @@ class PreemptionHandler:
         earlier.received, earlier._requeue_wanted, earlier.seen = None, False, set()
 
     def uninstall(self) -> None:
-        """Restore the handlers that were installed before ``install``."""
+        """Restore the handlers that were installed before ``install``. An earlier PreemptionHandler among them
+        (:func:`catch_early`) gets back the signals this one saw, so its ``seen`` stays every signal the process
+        got (``cli.fail`` reads it: torchrun's SIGTERM can come while training unwinds from an error)."""
+        earlier = [getattr(p, "__self__", None) for p in self._previous.values()]
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
+        for handler in earlier:  # after the restore: a signal from now on goes to it directly
+            if isinstance(handler, PreemptionHandler) and handler is not self:
+                handler.seen |= self.seen & set(handler.signals)
 
     def __enter__(self) -> "PreemptionHandler":
         return self.install()
