@@ -249,7 +249,10 @@ class PagePool:
         return paged_decode_plan(table, lens, self.page_size, self.page_bytes, self.dtype)
 
     def attend_planned(self, plan: DecodePlan, q: torch.Tensor, scale: float, index: Optional[int] = None,
-                       scores: str | None = None, return_lse: bool = False):
-        """:meth:`attend` of ``q [n, G, d]`` over the rows of ``plan`` (its ``[index]`` with leading dims)."""
+                       scores: str | None = None, return_lse: bool = False,
+                       append: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
+        """:meth:`attend` of ``q [n, G, d]`` over the rows of ``plan`` (its ``[index]`` with leading dims); ``append``
+        ``(k [n, d], v [n, d_v], slots [n])``: each row's new entry, written at its flat slot (:meth:`slots`) first,
+        in the same kernel call where it can be (:func:`kernels.paged.paged_attention_planned`)."""
         return paged_attention_planned(q, self.k_pages, self.v_pages, plan, scale, scores=scores,
-                                       return_lse=return_lse, index=index)
+                                       return_lse=return_lse, index=index, append=append)

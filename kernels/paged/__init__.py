@@ -163,16 +163,27 @@ def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_si
 
 def paged_attention_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DecodePlan,
                             scale: float, scores: str | None = None, return_lse: bool = False,
-                            index: int | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                            index: int | None = None,
+                            append: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`paged_attention` of ``q [R, G, d]`` over the rows of ``plan`` (:func:`paged_decode_plan`; its
-    table's ``[index]`` when it has a leading dim): the same outputs. Only q's shape is checked."""
+    table's ``[index]`` when it has a leading dim): the same outputs. Only q's shape is checked.
+
+    ``append``: ``(k [R, d], v [R, d_v], slots [R] int64)``, each row's new entry, stored first at its flat slot
+    ``page * page_size + offset`` of the (contiguous) pages, an entry the plan's lengths already count; then the
+    attention, which sees it (as ``flash_attn_with_kvcache`` appends and attends in one call). The compiled CPU
+    kernel does both in one call; elsewhere the entries are written first (:func:`write_slots_torch`)."""
     if q.dim() != 3 or q.shape[0] != plan.rows:
         raise ValueError(f"q must be [R, G, d] with R = {plan.rows} rows of the plan, got {tuple(q.shape)}")
+    cpu = plan.max_len < 0 and get_backend() == "auto" and cpu_kernel_fits(q, k_pages, v_pages)
+    if append is not None and not cpu:
+        write_slots_torch(k_pages, v_pages, append[2], append[0], append[1])
     if plan.max_len < 0 or (scores is None and not return_lse and get_backend() == "auto"
                             and flash_fits(q, k_pages)):
         table = plan.block_table if index is None else plan.block_table[index]
-        if plan.max_len < 0 and get_backend() == "auto" and cpu_kernel_fits(q, k_pages, v_pages):  # no checks
-            return paged_attention_cpu(q, k_pages, v_pages, table, plan.lens, float(scale), scores, return_lse)
+        if cpu:  # no checks
+            return paged_attention_cpu(q, k_pages, v_pages, table, plan.lens, float(scale), scores, return_lse,
+                                       append)
         return paged_attention(q, k_pages, v_pages, table, plan.lens, scale, scores=scores, return_lse=return_lse,
                                check_values=False)
     return attend_planned(q, k_pages, v_pages, plan, float(scale), scores=scores, return_lse=return_lse, index=index)

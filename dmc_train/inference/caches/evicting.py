@@ -125,14 +125,15 @@ class EvictingCache(KVCache):
         per-row state, :meth:`row_state`: the cache's own tensors, or a decode step's gathered ones; ``where``
         None: all of its rows, in order)."""
 
-    def attend(self, step: DecodeStep, index: int, q: torch.Tensor, scores: Optional[str]):
+    def attend(self, step: DecodeStep, index: int, q: torch.Tensor, scores: Optional[str], append=None):
         """Paged attention of ``q [B, H, d]`` over the rows of layer ``step.layers[index]``: ``(out [B * H_kv,
-        G, d_v], per-entry scores [B * H_kv, L] or None)``."""
+        G, d_v], per-entry scores [B * H_kv, L] or None)``; ``append`` ``(k, v, flat slots)``: each row's new entry,
+        written first (:meth:`PagePool.attend_planned`)."""
         b, h, d = q.shape
         q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
         if scores is None:
-            return self.pool.attend_planned(step.plan, q, self.scale, index=index), None
-        return self.pool.attend_planned(step.plan, q, self.scale, index=index, scores=scores)
+            return self.pool.attend_planned(step.plan, q, self.scale, index=index, append=append), None
+        return self.pool.attend_planned(step.plan, q, self.scale, index=index, scores=scores, append=append)
 
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
@@ -276,8 +277,7 @@ class EvictingCache(KVCache):
         index = step.layers.index(layer)
         k, v = k.reshape(n, -1), v.reshape(n, -1)
         if not self.evicting:  # prefill schedule: decoded tokens are appended
-            self.pool.write_slots(step.flat[index], k, v)
-            return self.attend(step, index, q, None)[0].view(b, -1, v.shape[-1])
+            return self.attend(step, index, q, None, (k, v, step.flat[index]))[0].view(b, -1, v.shape[-1])
         policy = self._policy_step(step, layer, info.positions)
         st = step.state
         entries = Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
@@ -287,12 +287,11 @@ class EvictingCache(KVCache):
             self.absorb(layer, {name: t[index] for name, t in step.state.items()}, step.full_rows,
                         self.pool.k_pages.view(-1, k.shape[-1]).index_select(0, gone).view(-1, hk, 1, k.shape[-1]),
                         self.pool.v_pages.view(-1, v.shape[-1]).index_select(0, gone).view(-1, hk, 1, v.shape[-1]))
-        self.pool.write_slots(flat, k, v)
         if step.recorded:
             record_keys(self.scorer, entries, slot, k)
         else:
             insert(self.scorer, entries, slot, k, policy.t)
-        out, attention = self.attend(step, index, q, self.scorer.attention)
+        out, attention = self.attend(step, index, q, self.scorer.attention, (k, v, flat))  # the new entry written first
         if attention is not None and attention.shape[1] < self.budget:
             attention = torch.nn.functional.pad(attention, (0, self.budget - attention.shape[1]))
         self.scorer.update(entries, attention, policy)

@@ -58,9 +58,8 @@ class FullCache(KVCache):
         k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
         step = self._step
         if step is not None and step[0] == tuple(seq_ids):  # begin_decode grew the rows and planned
-            self.pool.write_slots(step[1][layer], k, v)
             q = q.reshape(len(k), h // self.num_kv_heads, d)  # [B * H_kv, G, d]
-            out = self.pool.attend_planned(step[2], q, self.scale, index=layer)
+            out = self.pool.attend_planned(step[2], q, self.scale, index=layer, append=(k, v, step[1][layer]))
             return out.view(b, h, -1)
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()

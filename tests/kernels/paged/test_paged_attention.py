@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels.paged import paged_attention, reference_paged_attention
+from kernels.paged import paged_attention, paged_attention_planned, paged_decode_plan, reference_paged_attention
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")  # conftest.py: the compiled kernel and PyTorch
 
@@ -201,3 +201,22 @@ def test_check_values_off_skips_only_the_value_checks():
     assert paged_attention(**args, check_values=False).shape == (4, 2, 12)
     with pytest.raises(ValueError, match="q must be a floating point tensor"):
         paged_attention(**_with(q=lambda a: a["q"].long()), check_values=False)
+
+
+@pytest.mark.parametrize("scores", [None, "probs"])
+def test_planned_attention_appends_each_rows_new_entry_first(scores):
+    """``append``: each row's new entry is stored at its flat slot (here the row's last entry) and attended with
+    the others, in the kernel's call on the compiled path: the pages and outputs of writing first, then attending."""
+    q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=2, d=8, dv=12, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    k_new, v_new = torch.randn(len(lens), 8, generator=gen), torch.randn(len(lens), 12, generator=gen)
+    last = lens - 1
+    slots = bt[torch.arange(len(lens)), last // 16] * 16 + last % 16
+    expected_k, expected_v = kp.clone(), vp.clone()
+    expected_k.view(-1, 8)[slots], expected_v.view(-1, 12)[slots] = k_new, v_new
+    plan = paged_decode_plan(bt.to(torch.int32), lens, 16, 16 * 20 * 4, torch.float32)
+    got = paged_attention_planned(q, kp, vp, plan, 0.3, scores=scores, append=(k_new, v_new, slots))
+    assert torch.equal(kp, expected_k) and torch.equal(vp, expected_v)
+    ref = reference_paged_attention(q, expected_k, expected_v, bt, lens, 0.3, scores=scores)
+    for a, b in zip(got if scores else [got], ref if scores else [ref]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
