@@ -169,7 +169,8 @@ def paged_attention_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     """:func:`paged_attention` of ``q [R, G, d]`` over the rows of ``plan`` (:func:`paged_decode_plan`; its
     table's ``[index]`` when it has a leading dim): the same outputs. Only q's shape is checked.
 
-    ``append``: ``(k [R, d], v [R, d_v], slots [R] int64)``, each row's new entry, stored first at its flat slot
+    ``append``: ``(k [R, d], v [R, d_v], slots [R] int64)`` (k and v also ``[B, R / B, ...]``, e.g. strided views of
+    the model's heads), each row's new entry, stored first at its flat slot
     ``page * page_size + offset`` of the (contiguous) pages, an entry the plan's lengths already count; then the
     attention, which sees it (as ``flash_attn_with_kvcache`` appends and attends in one call). The compiled CPU
     kernel does both in one call; elsewhere the entries are written first (:func:`write_slots_torch`)."""
@@ -177,7 +178,8 @@ def paged_attention_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
         raise ValueError(f"q must be [R, G, d] with R = {plan.rows} rows of the plan, got {tuple(q.shape)}")
     cpu = plan.max_len < 0 and get_backend() == "auto" and cpu_kernel_fits(q, k_pages, v_pages)
     if append is not None and not cpu:
-        write_slots_torch(k_pages, v_pages, append[2], append[0], append[1])
+        k, v, slots = append
+        write_slots_torch(k_pages, v_pages, slots, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
     if plan.max_len < 0 or (scores is None and not return_lse and get_backend() == "auto"
                             and flash_fits(q, k_pages)):
         table = plan.block_table if index is None else plan.block_table[index]

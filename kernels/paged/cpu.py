@@ -94,7 +94,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib = ctypes.CDLL(str(path))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i64, i64, i64, i64, i64, ctypes.c_float,
-                                     ptr, ptr, ptr, i64, i32, i32, ptr, ptr, ptr]
+                                     ptr, ptr, ptr, i64, i32, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr]
     lib.paged_decode_f32.restype = ctypes.c_int
     lib.dmc_update_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr,
                                    i64, ptr, ptr, i64, i64, i64, i64, i64]
@@ -121,15 +121,19 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float, scores: str | None = None,
                         return_lse: bool = False, append=None):
     """:func:`kernels.paged.paged_attention` by the compiled kernel (inputs as there; :func:`cpu_kernel_fits`).
-    ``append``: ``(k [R, d], v [R, d_v], slots [R])``, each row's new entry, written into the pages (contiguous)
-    at its flat slot by the same call before the row is attended (:func:`kernels.paged.paged_attention_planned`)."""
+    ``append``: ``(k, v, slots [R])``, each row's new entry (``k [R, d]`` or ``[B, R / B, d]``, e.g. a strided view
+    of the model's heads; v likewise), written into the pages (contiguous) at its flat slot by the same call before
+    the row is attended (:func:`kernels.paged.paged_attention_planned`)."""
     R, G, d = q.shape
     dv = v_pages.shape[2]
     q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
     k_new, v_new, slots = (None, None, None) if append is None else append
+    strides = (0, 0), (0, 0), 1
     if append is not None:
-        k_new, v_new = (_f32(t).contiguous() for t in (k_new, v_new))
+        k_new, v_new = _f32(k_new), _f32(v_new)
         slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+        (inner, *k_strides), (_, *v_strides) = _row_strides(k_new), _row_strides(v_new)
+        strides = k_strides, v_strides, inner
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     if table.stride(-1) != 1:
         table = table.contiguous()
@@ -142,7 +146,8 @@ def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float
     failed = library().paged_decode_f32(
         q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table.data_ptr(), table.stride(0) if R else 0,
         lens.data_ptr(), lens.dtype == torch.int32, R, G, d, dv, k_pages.shape[1], scale, out.data_ptr(), _ptr(lse),
-        _ptr(s), width, SCORE_MODES[scores], torch.get_num_threads(), _ptr(k_new), _ptr(v_new), _ptr(slots))
+        _ptr(s), width, SCORE_MODES[scores], torch.get_num_threads(), _ptr(k_new), *strides[0], _ptr(v_new),
+        *strides[1], strides[2], _ptr(slots))
     if failed:
         raise MemoryError(f"paged attention on CPU: no memory for the scores of {R} rows of up to {width} entries")
     return pack_outputs(out, s, lse)

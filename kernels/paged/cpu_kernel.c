@@ -201,13 +201,15 @@ INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_
  * block_table [rows, table_stride] int32 (row r's pages in order); seq_lens [rows] int64, or int32 when
  * lens_int32 (>= 1);
  * out [rows, groups, dv]; lse [rows, groups] or NULL; scores [rows, scores_width] or NULL.
- * slots [rows] int64 or NULL: row r's new entry k_new[r] [d], v_new[r] [dv] is first written at flat slot
- * slots[r] (page * page_size + offset, one of the row's seq_lens[r] entries), then attended with the others. */
+ * slots [rows] int64 or NULL: row r's new entry, d values at k_new + (r / inner) * sk_outer + (r % inner) *
+ * sk_inner (k_new [rows, d] with inner 1, or [b, inner, d]) and dv values of v_new likewise, is first written at
+ * flat slot slots[r] (page * page_size + offset, one of the row's seq_lens[r] entries), then attended. */
 int paged_decode_f32(const float *q, float *k_pages, float *v_pages, const int32_t *block_table,
                      int64_t table_stride, const void *seq_lens, int lens_int32, int64_t rows, int64_t groups, int64_t d,
                      int64_t dv, int64_t page_size, float scale, float *out, float *lse, float *scores,
                      int64_t scores_width, int scores_mode, int num_threads, const float *k_new,
-                     const float *v_new, const int64_t *slots) {
+                     int64_t sk_outer, int64_t sk_inner, const float *v_new, int64_t sv_outer, int64_t sv_inner,
+                     int64_t inner, const int64_t *slots) {
   const struct attention a = {q, k_pages, v_pages, block_table, table_stride, groups, page_size, scale, out, lse,
                               scores, scores_width, scores_mode};
   int failed = 0;
@@ -215,8 +217,8 @@ int paged_decode_f32(const float *q, float *k_pages, float *v_pages, const int32
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t len = lens_int32 ? ((const int32_t *)seq_lens)[r] : ((const int64_t *)seq_lens)[r];
     if (slots) { /* a row writes only its own entry and reads only its own pages: no race between threads */
-      memcpy(k_pages + slots[r] * d, k_new + r * d, sizeof(float) * d);
-      memcpy(v_pages + slots[r] * dv, v_new + r * dv, sizeof(float) * dv);
+      memcpy(k_pages + slots[r] * d, k_new + (r / inner) * sk_outer + (r % inner) * sk_inner, sizeof(float) * d);
+      memcpy(v_pages + slots[r] * dv, v_new + (r / inner) * sv_outer + (r % inner) * sv_inner, sizeof(float) * dv);
     }
     float *kept = scores_mode == 1 ? malloc(sizeof(float) * groups * len) : NULL;
     if (scores_mode == 1 && !kept) {

@@ -55,12 +55,12 @@ class FullCache(KVCache):
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         b, h, d = q.shape
-        k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
         step = self._step
         if step is not None and step[0] == tuple(seq_ids):  # begin_decode grew the rows and planned
-            q = q.reshape(len(k), h // self.num_kv_heads, d)  # [B * H_kv, G, d]
+            q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)  # [B * H_kv, G, d]
             out = self.pool.attend_planned(step[2], q, self.scale, index=layer, append=(k, v, step[1][layer]))
             return out.view(b, h, -1)
+        k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()
         self.pool.grow(rows, lens + 1)

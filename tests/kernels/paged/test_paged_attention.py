@@ -204,16 +204,22 @@ def test_check_values_off_skips_only_the_value_checks():
 
 
 @pytest.mark.parametrize("scores", [None, "probs"])
-def test_planned_attention_appends_each_rows_new_entry_first(scores):
+@pytest.mark.parametrize("layout", ["rows", "strided"])
+def test_planned_attention_appends_each_rows_new_entry_first(scores, layout):
     """``append``: each row's new entry is stored at its flat slot (here the row's last entry) and attended with
-    the others, in the kernel's call on the compiled path: the pages and outputs of writing first, then attending."""
+    the others, in the kernel's call on the compiled path: the pages and outputs of writing first, then attending.
+    The new entries as rows ``[R, d]``, or strided ``[1, R, d]`` views (as the model's heads reach a cache)."""
     q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=2, d=8, dv=12, seed=11)
     gen = torch.Generator().manual_seed(12)
     k_new, v_new = torch.randn(len(lens), 8, generator=gen), torch.randn(len(lens), 12, generator=gen)
+    if layout == "strided":  # the same values, every row 2 d apart in memory
+        k_new = torch.cat([k_new, k_new], -1)[None, :, :8]
+        v_new = torch.cat([v_new, v_new], -1)[None, :, :12]
+        assert not k_new.is_contiguous()
     last = lens - 1
     slots = bt[torch.arange(len(lens)), last // 16] * 16 + last % 16
     expected_k, expected_v = kp.clone(), vp.clone()
-    expected_k.view(-1, 8)[slots], expected_v.view(-1, 12)[slots] = k_new, v_new
+    expected_k.view(-1, 8)[slots], expected_v.view(-1, 12)[slots] = k_new.reshape(-1, 8), v_new.reshape(-1, 12)
     plan = paged_decode_plan(bt.to(torch.int32), lens, 16, 16 * 20 * 4, torch.float32)
     got = paged_attention_planned(q, kp, vp, plan, 0.3, scores=scores, append=(k_new, v_new, slots))
     assert torch.equal(kp, expected_k) and torch.equal(vp, expected_v)
