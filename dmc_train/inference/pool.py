@@ -27,7 +27,6 @@ from kernels.paged import (
     paged_attention_planned,
     paged_decode_plan,
     paged_write,
-    write_slots_torch,
 )
 
 MIN_PAGE_SIZE = 16
@@ -213,13 +212,9 @@ class PagePool:
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat slot ``page * page_size + offset`` of entry ``positions`` of ``rows`` (int64, broadcast shape),
-        for :meth:`write_slots`."""
+        where :meth:`attend_planned`'s ``append`` writes."""
         page, offset = self.locate(rows, positions)
         return page * self.page_size + offset
-
-    def write_slots(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """:meth:`write` at flat ``slots [n]`` (:meth:`slots`, computed once for several writes)."""
-        write_slots_torch(self.k_pages, self.v_pages, slots, k, v)
 
     def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All entries of one row: ``(k [len, d], v [len, d_v])`` (tests and inspection)."""

@@ -68,7 +68,7 @@ from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_deco
 from .writes import dmc_cache_update_torch, paged_write_torch, write_slots_torch
 
 __all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "paged_attention", "paged_attention_planned",
-           "paged_decode_plan", "paged_write", "reads_block_table", "write_slots_torch",
+           "paged_decode_plan", "paged_write", "reads_block_table",
            "reference_attention_column_sums", "reference_paged_attention"]
 
 

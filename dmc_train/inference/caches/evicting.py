@@ -8,9 +8,10 @@ Per (sequence, layer, KV head) row of the page pool, ``schedule=decode``:
   and only the kept entries are written, in position order;
 - **decode**: a row below its budget appends. A full row picks its victim (lowest priority outside
   the fixed part) and the new token's key and value overwrite the victim's page entry in place
-  (``pool.write_slots``), so the row never holds more than ``budget`` entries and never takes another
-  page. The query then attends over the row, and the same attention pass returns what the scorer
-  needs (probabilities or logits per entry, summed over the G query heads) to update its scores.
+  (written by the attention call itself, ``append``), so the row never holds more than ``budget``
+  entries and never takes another page. The query then attends over the row, and the same attention
+  pass returns what the scorer needs (probabilities or logits per entry, summed over the G query
+  heads) to update its scores.
 
 ``schedule=prefill`` (kvpress's): the prompt is compressed to ``max(1, int(P * (1 - ratio)))``
 entries; decoded tokens are appended without eviction.
