@@ -43,11 +43,11 @@ from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, tea
 from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.llama_layer import LlamaLayer
-from dmc_train.models.norm import rms_norm
-from dmc_train.models.rope import rope, rope_inv_freq, rope_rotation
+from dmc_train.models.rope import rope, rope_inv_freq, rope_rotation, rope_tables
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.dmc import decisions
+from kernels.layer import rms_norm_matmul
 from kernels.less import eviction_masks, less_attention, phi_k, phi_q
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -257,44 +257,49 @@ class LlamaForInference:
         k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega) -> [t, H d_v]`` (``alpha``, ``omega [t, H_kv]``; None
         without DMC) and the rest of the layer. What every layer shares (RoPE tables, the decision rule) is computed
         once, here."""
-        split = self._split_heads(positions, raw_qk)
+        split, rope_in_input = self._split_heads(positions, raw_qk)
+        all_reduce = None if self.group is None else self._all_reduce
         rule = None if self.dmc is None else self._decision_rule(positions)
         x = self.embed[tokens]
         for layer in self.layers:
-            heads = layer.attention_input(x)
+            heads = layer.attention_input(x, rope_in_input)
             alpha, omega = (None, None) if rule is None else self._decisions(heads, rule, positions)
-            x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), self._all_reduce)
+            x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), all_reduce)
         return x
 
     def _split_heads(self, positions: torch.Tensor, raw_qk: bool):
-        """``split(heads [t, H + 2 H_kv, d]) -> (q, k, v)`` ``[t, heads, d]`` (views of one layer's heads, q and k
-        rotated) at ``positions [b, n]``, the rotation's tables computed here once for every layer
-        (:func:`rope_rotation`). q and k are rotated together in one call, with a DMC model's decision channel
-        zeroed by the tables' masks (``rope_masks``); ``rope_order=pre``: only q, and k's channel zeroed (the cache
-        rotates the keys it accumulates); ``raw_qk``: neither (the attention rotates them), the channel zeroed."""
+        """``(split, rope)``: ``split(heads [t, H + 2 H_kv, d]) -> (q, k, v)`` ``[t, heads, d]`` (views of one layer's
+        heads, q and k rotated) at ``positions [b, n]``, the rotation's tables computed here once for every layer
+        (:func:`rope_tables`); ``rope``: the tables :meth:`LlamaLayer.attention_input` rotates q and k with, or
+        None. Without a decision channel q and k are rotated there, in the projections' call; a DMC model's q and k
+        are rotated together in one call (:func:`rope_rotation`) after its decisions read the channel, which the
+        tables' masks (``rope_masks``) zero; ``rope_order=pre``: only q, and k's channel zeroed (the cache rotates
+        the keys it accumulates); ``raw_qk``: neither (the attention rotates them), the channel zeroed."""
         hq, hk, hv = self.head_counts
         keep = self.keep
         if raw_qk:
             if keep is None:
-                return lambda heads: heads.split((hq, hk, hv), 1)
-            return lambda heads: (*(heads[:, : hq + hk] * keep).split((hq, hk), 1), heads[:, hq + hk:])
+                return (lambda heads: heads.split((hq, hk, hv), 1)), None
+            return (lambda heads: (*(heads[:, : hq + hk] * keep).split((hq, hk), 1), heads[:, hq + hk:])), None
         if self.rotate_in_cache:  # DMC rope_order=pre: the query heads alone, with the query heads' masks
             rotate = rope_rotation(positions.reshape(-1, 1), self.inv_freq, self.dtype, keep,
                                    None if keep is None else self.rope_masks[1][0])
             if keep is None:
-                return lambda heads: (rotate(heads[:, :hq]), *heads[:, hq:].split((hk, hv), 1))
-            return lambda heads: (rotate(heads[:, :hq]), heads[:, hq: hq + hk] * keep, heads[:, hq + hk:])
+                return (lambda heads: (rotate(heads[:, :hq]), *heads[:, hq:].split((hk, hv), 1))), None
+            return (lambda heads: (rotate(heads[:, :hq]), heads[:, hq: hq + hk] * keep, heads[:, hq + hk:])), None
+        if keep is None:
+            cos, sin = rope_tables(positions.reshape(-1, 1), self.inv_freq, self.dtype)  # [t, 1, d]
+            return (lambda heads: heads.split((hq, hk, hv), 1)), (cos[:, 0], sin)
         rotate = rope_rotation(positions.reshape(-1, 1), self.inv_freq, self.dtype, *self.rope_masks)
-        return lambda heads: (*rotate(heads[:, : hq + hk]).split((hq, hk), 1), heads[:, hq + hk:])
+        return (lambda heads: (*rotate(heads[:, : hq + hk]).split((hq, hk), 1), heads[:, hq + hk:])), None
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[t, V]`` of the last layer's hidden states ``x [t, hidden]`` (final RMSNorm, LM head)."""
-        return torch.mm(rms_norm(x, self.final_norm, self.shape.norm_eps), self.lm_head_t)
+        return rms_norm_matmul(x, self.final_norm, self.shape.norm_eps, self.lm_head_t)
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The sum over tensor-parallel ranks of a row-parallel projection's ``partial`` (itself without a group)."""
-        if self.group is not None:
-            torch.distributed.all_reduce(partial, group=self.group)
+        """The sum over the tensor-parallel ranks of a row-parallel projection's ``partial``."""
+        torch.distributed.all_reduce(partial, group=self.group)
         return partial
 
     def same_on_all_ranks(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,11 @@ importer's reference forward (:mod:`dmc_train.models.llama_reference`) both run 
 
 RMSNorm (fp32 inside) -> q, k, v projections (one matmul over the stacked weights) -> ``attend(i, q, k, v)``
 -> output projection -> residual -> RMSNorm -> SwiGLU ``down(silu(gate h) * up h)`` -> residual, as
-transformers' ``LlamaDecoderLayer`` without biases. q and k reach ``attend`` before RoPE: the caller rotates
-them (:mod:`dmc_train.models.rope`), because what happens there differs (the reference rotates both at
-``0..n-1``; the engine reads DMC's decisions from the un-rotated q and k, and some caches rotate the keys
-themselves). The inference model runs the two halves itself (:meth:`LlamaLayer.attention_input`,
+transformers' ``LlamaDecoderLayer`` without biases; the parts around the attention are :mod:`kernels.layer`'s
+two ops (compiled on CPU in fp32 at inference: a decode step's layer is then its products and two calls).
+q and k reach ``attend`` before RoPE, or rotated by the tables the caller hands to ``attention_input``
+(:mod:`dmc_train.models.rope`): what happens there differs (the reference rotates both at ``0..n-1``; the engine
+reads DMC's decisions from the un-rotated q and k, and some caches rotate the keys themselves). The inference model runs the two halves itself (:meth:`LlamaLayer.attention_input`,
 :meth:`LlamaLayer.attention_output`, tokens as rows ``[t, ...]``), so that a decode step's heads reach the cache
 in its layout without transposes. Layouts: hidden ``[b, n, hidden]``; ``attend`` takes ``q [b, H, n, d]``,
 ``k, v [b, H_kv, n, d]`` and returns ``[b, H, n, d]``. Under tensor parallelism the weights are one rank's shard
@@ -24,9 +25,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
-from dmc_train.models.norm import rms_norm
+from kernels.layer import layer_output, rms_norm_matmul
 
 __all__ = ["LlamaLayer", "layer_names"]
 
@@ -68,22 +68,22 @@ class LlamaLayer:
         """The stacked q, k, v projections in the Hugging Face layout ``[(H + 2 H_kv) d, hidden]`` (a view)."""
         return self.qkv_t.T
 
-    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_input(self, x: torch.Tensor,
+                        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """The q, k and v heads of the tokens ``x [t, hidden]`` (rows = tokens): RMSNorm, then one matmul over the
         stacked projections; ``heads [t, H + 2 H_kv, d]``, the query heads first, then the key and the value heads,
-        before RoPE."""
-        return torch.mm(rms_norm(x, self.norm_in, self.eps), self.qkv_t).view(len(x), -1, self.head_dim)
+        before RoPE, or with q and k rotated by ``rope``'s tables (``cos [t, d]``, signed ``sin [t, 1, d]``,
+        :func:`~dmc_train.models.rope.rope_tables`) in the same call (:func:`kernels.layer.rms_norm_matmul`)."""
+        h, g, _ = self.heads
+        heads = rms_norm_matmul(x, self.norm_in, self.eps, self.qkv_t, rope, h + g, self.head_dim)
+        return heads.view(len(x), -1, self.head_dim)
 
     def attention_output(self, x: torch.Tensor, out: torch.Tensor,
                          all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """The layer's output ``[t, hidden]`` of its input ``x [t, hidden]`` and the attention's ``out [t, H d]``
         (rows = tokens, each token's heads side by side): output projection -> residual -> RMSNorm -> SwiGLU ->
-        residual."""
-        out = torch.mm(out, self.o_t)
-        x = x + (out if all_reduce is None else all_reduce(out))
-        gate, up = torch.mm(rms_norm(x, self.norm_mlp, self.eps), self.gate_up_t).chunk(2, dim=-1)
-        out = torch.mm(F.silu(gate) * up, self.down_t)
-        return x + (out if all_reduce is None else all_reduce(out))
+        residual (:func:`kernels.layer.layer_output`)."""
+        return layer_output(x, out, self.o_t, self.norm_mlp, self.eps, self.gate_up_t, self.down_t, all_reduce)
 
     def __call__(self, x: torch.Tensor, attend: Attend,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:

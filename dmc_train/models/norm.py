@@ -7,15 +7,7 @@ megatron's torch-norm wrapper asserts when ``sequence_parallel`` is on; its weig
 
 import torch
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32, back in ``x``'s dtype."""
-    if x.dtype == weight.dtype == torch.float32:  # the same operations without the casts (each a no-op call)
-        if not torch.is_grad_enabled():  # inference: torch's rms_norm, one call for the same operations (on CPU
-            return torch.rms_norm(x, x.shape[-1:], weight, eps)  # bit for bit); its backward is not the same
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+from kernels.layer import rms_norm  # noqa: F401 (the one RMSNorm: training's, the engine's reference)
 
 
 class RMSNorm(torch.nn.Module):

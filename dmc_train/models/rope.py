@@ -94,24 +94,33 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     return rotate_half_rope(x, cos, sin)
 
 
-def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32,
-                  cos_mask: Optional[torch.Tensor] = None,
-                  sin_mask: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x [..., d] -> rotate_half_rope(x, cos, sin)`` at ``positions`` (the angles of :func:`rope_angles`,
-    broadcast as there), bit for bit, in four tensor calls instead of six (the inference engine rotates every
-    layer's q and k with it): ``rotate_half(x) * sin = [-x2, x1] * [s, s] = [x2, x1] * [-s, s]``, and ``[x2, x1]``
-    is ``x`` rolled by ``d / 2``. The signed sines are computed once, here, from :func:`rope_angles`' tables.
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32,
+                cos_mask: Optional[torch.Tensor] = None,
+                sin_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, signed sin)`` ``[..., d]`` at ``positions`` for ``x * cos + x.roll(d / 2, -1) * sin``, which is
+    ``rotate_half_rope(x, cos, sin)`` bit for bit: ``rotate_half(x) * sin = [-x2, x1] * [s, s] = [x2, x1] * [-s, s]``,
+    and ``[x2, x1]`` is ``x`` rolled by ``d / 2`` (:func:`rope_angles`' tables, the first half of the sine negated).
 
     ``cos_mask``, ``sin_mask`` (optional, 0 / 1 in ``dtype``, broadcast against the tables ``[..., d]``, e.g.
-    ``[heads, d]`` for ``x [t, heads, d]`` at ``positions [t, 1]``): multiply the cosines and the signed sines once
-    here. A 0 in the cosine at channel ``c`` and in the sine at ``c + d / 2 mod d`` drops what reads ``x``'s channel
-    ``c`` (RoPE of ``x`` with that channel zeroed, DMC's decision channel); a 0 in the sine at ``c`` as well drops
-    what writes it (the result's channel ``c`` zeroed)."""
-    cos, sin = rope_angles(positions, inv_freq, dtype)  # the very tables of rotate_half_rope
+    ``[heads, d]`` for ``x [t, heads, d]`` at ``positions [t, 1]``): multiply the cosines and the signed sines. A 0
+    in the cosine at channel ``c`` and in the sine at ``c + d / 2 mod d`` drops what reads ``x``'s channel ``c``
+    (RoPE of ``x`` with that channel zeroed, DMC's decision channel); a 0 in the sine at ``c`` as well drops what
+    writes it (the result's channel ``c`` zeroed)."""
+    cos, sin = rope_angles(positions, inv_freq, dtype)
     half = cos.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
     if cos_mask is not None:
         cos = cos * cos_mask
     if sin_mask is not None:
         sin = sin * sin_mask
+    return cos, sin
+
+
+def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  cos_mask: Optional[torch.Tensor] = None,
+                  sin_mask: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x [..., d] -> rotate_half_rope(x, cos, sin)`` at ``positions`` by :func:`rope_tables` (with their masks),
+    bit for bit, in four tensor calls instead of six (the tables computed once, here)."""
+    cos, sin = rope_tables(positions, inv_freq, dtype, cos_mask, sin_mask)
+    half = cos.shape[-1] // 2
     return lambda x: x * cos + x.roll(half, -1) * sin

@@ -10,88 +10,36 @@ heads sharing each key and value loaded), rows spread over the OpenMP threads (a
 DMC's decode-step update (:func:`kernels.paged.dmc_cache_update`: Algorithm 1 on each row's open slot, in the
 cache's own state, and the slot's entry written) in one call instead of a dozen tensor ops.
 
-The shared library is compiled once per source, flags and machine (``-march=native``: it is keyed by the
-CPU's feature flags) into ``$DMC_KERNELS_CACHE`` (default ``~/.cache/dmc_train/kernels``), written atomically,
-and loaded with ctypes. Without a C compiler (or if the build fails) :func:`library` warns once and returns
-None: the PyTorch path runs instead. ``CC`` picks the compiler (default ``cc``).
+The shared library is compiled once per machine on first use (:mod:`kernels.compiled`: cached in
+``$DMC_KERNELS_CACHE``, default ``~/.cache/dmc_train/kernels``) and loaded with ctypes. Without a C compiler (or
+if the build fails) :func:`library` warns once and returns None: the PyTorch path runs instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from kernels import compiled
+
 from ._checks import pack_outputs
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
-# -ffp-contract=off: products rounded before they are added, as the PyTorch paths' elementwise ops (DMC's state)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 MAX_GROUPS = 256  # query heads per KV head: their running max and sums, a block's logits and partial sums on the stack
 SCORE_MODES = {None: 0, "probs": 1, "logits": 2}
 
 
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags (what ``-march=native`` compiles for), so a library built on another machine
-    sharing the cache directory is never loaded here."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return os.uname().machine.encode()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DMC_KERNELS_CACHE") or Path.home() / ".cache" / "dmc_train" / "kernels")
-
-
-def _build(compiler: str, target: Path) -> Optional[str]:
-    """Compile :data:`SOURCE` into ``target`` (atomically: a temporary file, then a rename); the compiler's
-    first error line on failure, else None."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if result.returncode != 0:
-            lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
-            return lines[0] if lines else f"exit status {result.returncode}"
-        os.replace(tmp, target)
-        return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @functools.cache
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel (built on first use), or None (with one warning) when it cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        warnings.warn("no C compiler (cc) found: paged decode attention on CPU runs its PyTorch path, slower; "
-                      "install gcc or set CC to use the compiled kernel", stacklevel=2)
+    """The compiled kernel (built on first use, :func:`kernels.compiled.load`), or None (with one warning) when
+    it cannot be built here."""
+    lib = compiled.load(SOURCE, "the CPU paged-attention kernel")
+    if lib is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_flags()).hexdigest()
-    path = cache_dir() / f"paged_cpu_{key[:16]}.so"
-    try:
-        error = None if path.exists() else _build(compiler, path)
-    except OSError as e:
-        error = str(e)
-    if error is not None:
-        warnings.warn(f"building the CPU paged-attention kernel failed ({error}): its PyTorch path runs instead; "
-                      f"check the C compiler ({compiler}) and that {cache_dir()} is writable (DMC_KERNELS_CACHE)",
-                      stacklevel=2)
-        return None
-    lib = ctypes.CDLL(str(path))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i64, i64, i64, i64, i64, ctypes.c_float,
                                      ptr, ptr, ptr, i64, i32, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr]

@@ -1,0 +1,57 @@
+"""A Llama decoder layer's dense ops for inference: everything of a layer but its attention, in two calls.
+
+    heads = rms_norm_matmul(x, norm_in, eps, qkv_w, rope=(cos, sin), rope_heads=H + H_kv, head_dim=d)
+    x = layer_output(x, attn, o_w, norm_mlp, eps, gate_up_w, down_w)
+
+Layouts: rows are tokens. ``x [t, hidden]``; weights stored ``[in, out]`` contiguous (``qkv_w [hidden, (H + 2 H_kv)
+d]``, ``o_w [H d, hidden]``, ``gate_up_w [hidden, 2 ffn]`` gate then up, ``down_w [ffn, hidden]``); ``attn [t, H d]``;
+the norm weights ``[hidden]``. ``rope``: the tables of rotate-half RoPE, ``cos [t, d]`` and the signed sine
+``sin [t, 1 or rope_heads, d]`` (:func:`dmc_train.models.rope.rope_tables`), applied to the first ``rope_heads``
+heads of the output.
+
+On CPU in fp32 without autograd (``auto`` backend) the compiled kernel runs (:mod:`kernels.layer.cpu`: the
+matrix products by PyTorch's own BLAS, the rest in loops over the rows: a decode step's layer costs its
+products and two calls); elsewhere the tensor ops of :mod:`kernels.layer.reference`. The two agree to float
+rounding: the products and RoPE bit for bit, RMSNorm's sum and SwiGLU's exp within a few ulp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kernels.backend import get_backend
+
+from .cpu import layer_output_cpu, library, rms_norm_matmul_cpu
+from .reference import layer_output_torch, rms_norm, rms_norm_matmul_torch
+
+__all__ = ["rms_norm", "rms_norm_matmul", "layer_output", "compiled_runs"]
+
+
+def compiled_runs(*tensors: torch.Tensor) -> bool:
+    """True when the compiled kernel takes these tensors: CPU, fp32, contiguous, none needing a gradient."""
+    return (get_backend() == "auto"
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and library() is not None)
+
+
+def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor,
+                    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rope_heads: int = 0,
+                    head_dim: int = 0) -> torch.Tensor:
+    """``rms_norm(x, weight, eps) @ w`` ``[t, out]``, then (``rope``) the first ``rope_heads`` heads of ``head_dim``
+    values rotated by the tables (layouts: the module's docstring)."""
+    if compiled_runs(x, weight, w, *(rope or ())):
+        return rms_norm_matmul_cpu(x, weight, eps, w, rope, rope_heads, head_dim)
+    return rms_norm_matmul_torch(x, weight, eps, w, rope, rope_heads, head_dim)
+
+
+def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight: torch.Tensor, eps: float,
+                 gate_up_w: torch.Tensor, down_w: torch.Tensor, all_reduce=None) -> torch.Tensor:
+    """A layer's output ``[t, hidden]`` from its input ``x`` and its attention's ``attn [t, H d]``: output projection ->
+    residual -> RMSNorm -> SwiGLU ``down(silu(gate) * up)`` -> residual. ``all_reduce`` (tensor parallelism) sums the
+    two projections' partial results over the ranks (then the tensor ops run)."""
+    if all_reduce is None and compiled_runs(x, attn, o_w, weight, gate_up_w, down_w):
+        return layer_output_cpu(x, attn, o_w, weight, eps, gate_up_w, down_w)
+    return layer_output_torch(x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce)

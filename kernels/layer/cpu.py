@@ -1,0 +1,77 @@
+"""A Llama layer's dense ops compiled for the CPU: ``cpu_kernel.c`` (built on first use, :mod:`kernels.compiled`).
+
+The matrix products call the BLAS routine PyTorch's CPU build carries (``sgemm_`` of ``libtorch_cpu``, MKL on
+x86): the same routine ``torch.mm`` runs, with its threads. When that symbol is not there (a build of PyTorch
+without it) or no C compiler is present, :func:`library` is None and the tensor ops run
+(:mod:`kernels.layer.reference`). All tensors fp32 and contiguous; the outputs are new tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kernels import compiled
+
+SOURCE = Path(__file__).with_name("cpu_kernel.c")
+
+
+def torch_sgemm() -> Optional[int]:
+    """The address of ``sgemm_`` in PyTorch's own CPU library, or None."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        return ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled ops with PyTorch's BLAS handed to them, or None (with one warning) when either is missing."""
+    sgemm = torch_sgemm()
+    if sgemm is None:
+        warnings.warn("PyTorch's CPU library exports no sgemm_: a Llama layer's dense ops run as tensor ops "
+                      "(slower at decode)", stacklevel=2)
+        return None
+    lib = compiled.load(SOURCE, "the CPU kernel of a Llama layer's dense ops")
+    if lib is None:
+        return None
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.set_sgemm.argtypes = [ptr]
+    lib.set_sgemm(sgemm)
+    lib.rms_norm_matmul_f32.argtypes = [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+    lib.layer_output_f32.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64]
+    return lib
+
+
+def _out_of_memory(what: str, t: int) -> MemoryError:
+    return MemoryError(f"{what} on CPU: no memory for the scratch buffers of {t} rows")
+
+
+def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0, head_dim: int = 0) -> torch.Tensor:
+    """:func:`kernels.layer.rms_norm_matmul` by the compiled kernel (inputs fp32 and contiguous)."""
+    (t, h), n = x.shape, w.shape[1]
+    y = torch.empty(t, n)
+    cos, sin = rope if rope is not None else (None, None)
+    if library().rms_norm_matmul_f32(
+            x.data_ptr(), weight.data_ptr(), eps, w.data_ptr(), y.data_ptr(), t, h, n,
+            None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+            0 if sin is None else sin.shape[1], rope_heads, head_dim):
+        raise _out_of_memory("rms_norm_matmul", t)
+    return y
+
+
+def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w) -> torch.Tensor:
+    """:func:`kernels.layer.layer_output` by the compiled kernel (inputs fp32 and contiguous)."""
+    t, h = x.shape
+    y = torch.empty(t, h)
+    if library().layer_output_f32(x.data_ptr(), attn.data_ptr(), o_w.data_ptr(), weight.data_ptr(), eps,
+                                  gate_up_w.data_ptr(), down_w.data_ptr(), y.data_ptr(), t, h, attn.shape[1],
+                                  down_w.shape[0]):
+        raise _out_of_memory("layer_output", t)
+    return y

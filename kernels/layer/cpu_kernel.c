@@ -1,0 +1,116 @@
+/* A Llama decoder layer's dense work at inference on CPU, fp32: everything of the layer but its attention, in
+ * two calls (kernels/layer/cpu.py states the layouts; reference.py is the same in tensor ops).
+ *
+ * A decode step's layer is some twenty small tensor ops around four matrix products; each op costs a few
+ * microseconds of dispatch, more than its arithmetic on a few rows. Here the products go to the BLAS that
+ * PyTorch itself calls (sgemm_, whose address cpu.py hands over: the same routine torch.mm runs for these
+ * layouts), and the rest (RMSNorm, RoPE of q and k, the residual adds, SwiGLU) are loops over the rows. RoPE is
+ * PyTorch's arithmetic, bit for bit (products rounded before they are added: -ffp-contract=off); RMSNorm's sum
+ * and SwiGLU's exp round differently from PyTorch's vectorised ones (within a few ulp).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cpu_math.h" /* exp_nonpos */
+
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+static sgemm_fn sgemm;
+
+void set_sgemm(void *f) { sgemm = (sgemm_fn)f; }
+
+/* n floats aligned to 64 bytes, as PyTorch allocates: MKL's results may depend on its operands' alignment, and
+ * a product must not change with where malloc put its input. */
+static float *scratch(int64_t n) { return aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64); }
+
+/* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous. In BLAS's column-major terms that is
+ * y^T = w^T x^T, with no transposes: the call torch.mm makes for these layouts. */
+static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
+  const int rows = (int)t, inner = (int)k, cols = (int)n;
+  const float one = 1.f, zero = 0.f;
+  sgemm("N", "N", &cols, &rows, &inner, &one, w, &cols, x, &inner, &zero, y, &cols);
+}
+
+/* y = x * rsqrt(mean(x^2) + eps) * w, row by row (x [t, h]). */
+static void rms_norm(const float *x, const float *w, float eps, float *y, int64_t t, int64_t h) {
+  for (int64_t r = 0; r < t; ++r) {
+    const float *xr = x + r * h;
+    float *yr = y + r * h;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < h; ++c) sum += xr[c] * xr[c];
+    const float rstd = 1.f / sqrtf(sum / (float)h + eps);
+    for (int64_t c = 0; c < h; ++c) yr[c] = xr[c] * rstd * w[c];
+  }
+}
+
+/* Rotate-half RoPE in place of the first `heads` heads (d values each) of each row of y [t, width]:
+ * x * cos + roll(x, d / 2) * sin, cos [t, d], sin [t, sin_heads, d] (sin_heads 1: shared by the heads, else one
+ * table per head), the sine signed as models/rope.py's rope_rotation makes it. */
+static void rope(float *y, int64_t t, int64_t width, int64_t heads, int64_t d, const float *cos, const float *sin,
+                 int64_t sin_heads) {
+  const int64_t half = d / 2;
+  float x[d];
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float *yh = y + r * width + h * d;
+      const float *c = cos + r * d, *s = sin + (r * sin_heads + (sin_heads == 1 ? 0 : h)) * d;
+      memcpy(x, yh, sizeof(float) * d);
+      for (int64_t i = 0; i < half; ++i) yh[i] = x[i] * c[i] + x[i + half] * s[i];
+      for (int64_t i = half; i < d; ++i) yh[i] = x[i] * c[i] + x[i - half] * s[i];
+    }
+}
+
+/* y [t, n] = rms_norm(x [t, h], norm_w) @ w [h, n]; then, if cos is given, RoPE of y's first rope_heads heads of
+ * head_dim values (rope above). Returns nonzero when out of memory. */
+int rms_norm_matmul_f32(const float *x, const float *norm_w, float eps, const float *w, float *y, int64_t t,
+                         int64_t h, int64_t n, const float *cos, const float *sin, int64_t sin_heads,
+                         int64_t rope_heads, int64_t head_dim) {
+  float *normed = scratch(t * h);
+  if (!normed) return 1;
+  rms_norm(x, norm_w, eps, normed, t, h);
+  matmul(normed, w, y, t, h, n);
+  free(normed);
+  if (cos) rope(y, t, n, rope_heads, head_dim, cos, sin, sin_heads);
+  return 0;
+}
+
+/* silu(gate) * up for each row of gate_up [t, 2 f] (gate then up) into act [t, f]. silu(g) = g / (1 + exp(-g)),
+ * with exp of -|g| only (no overflow): g >= 0: g / (1 + e); g < 0: g e / (1 + e), e = exp(-|g|). */
+static void swiglu(const float *gate_up, float *act, int64_t t, int64_t f) {
+  for (int64_t r = 0; r < t; ++r) {
+    const float *g = gate_up + r * 2 * f, *u = g + f;
+    float *a = act + r * f;
+#pragma omp simd
+    for (int64_t c = 0; c < f; ++c) {
+      const float e = exp_nonpos(g[c] < 0.f ? g[c] : -g[c]);
+      a[c] = (g[c] < 0.f ? g[c] * e : g[c]) / (1.f + e) * u[c];
+    }
+  }
+}
+
+/* The layer after its attention: y = x + attn @ o_w, then y += swiglu(rms_norm(y) @ gate_up_w) @ down_w.
+ * x, y [t, h]; attn [t, a]; o_w [a, h]; gate_up_w [h, 2 f]; down_w [f, h]. Returns nonzero when out of memory. */
+int layer_output_f32(const float *x, const float *attn, const float *o_w, const float *norm_w, float eps,
+                     const float *gate_up_w, const float *down_w, float *y, int64_t t, int64_t h, int64_t a,
+                     int64_t f) {
+  float *tmp = scratch(t * h), *normed = scratch(t * h), *gate_up = scratch(t * 2 * f), *act = scratch(t * f);
+  const int failed = !tmp || !normed || !gate_up || !act;
+  if (!failed) {
+    matmul(attn, o_w, tmp, t, a, h);
+    for (int64_t i = 0; i < t * h; ++i) y[i] = x[i] + tmp[i];
+    rms_norm(y, norm_w, eps, normed, t, h);
+    matmul(normed, gate_up_w, gate_up, t, h, 2 * f);
+    swiglu(gate_up, act, t, f);
+    matmul(act, down_w, tmp, t, f, h);
+    for (int64_t i = 0; i < t * h; ++i) y[i] += tmp[i];
+  }
+  free(tmp);
+  free(normed);
+  free(gate_up);
+  free(act);
+  return failed;
+}

@@ -1,0 +1,90 @@
+"""A Llama layer's dense ops (kernels/layer): the compiled CPU kernel against the tensor ops, and when each runs."""
+
+import pytest
+import torch
+
+from dmc_train.models.rope import rope_inv_freq, rope_tables
+from kernels.backend import set_backend
+from kernels.layer import compiled_runs, cpu, layer_output, rms_norm_matmul
+from kernels.layer.reference import layer_output_torch, rms_norm_matmul_torch, rotate_heads
+
+HIDDEN, FFN, D, HEADS, KV_HEADS = 64, 176, 16, 4, 2  # q, k and v heads: 4 + 2 + 2
+
+
+def weights(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    width = (HEADS + 2 * KV_HEADS) * D
+    shapes = {"qkv": (HIDDEN, width), "o": (HEADS * D, HIDDEN), "gate_up": (HIDDEN, 2 * FFN), "down": (FFN, HIDDEN)}
+    return {"norm": 1 + 0.1 * torch.randn(HIDDEN, generator=g),
+            **{name: 0.2 * torch.randn(*shape, generator=g) for name, shape in shapes.items()}}
+
+
+def tables(t: int, per_head: bool = False):
+    """RoPE tables of positions 0..t-1 as the model makes them: ``cos [t, d]``, signed ``sin [t, 1 or heads, d]``
+    (per head: with DMC-style masks, a zero channel per head)."""
+    mask = None
+    if per_head:
+        mask = torch.ones(HEADS + KV_HEADS, D)
+        mask[torch.arange(HEADS + KV_HEADS), torch.arange(HEADS + KV_HEADS) % D] = 0
+    cos, sin = rope_tables(torch.arange(t)[:, None], rope_inv_freq(D, 10000.0), torch.float32, None, mask)
+    return cos[:, 0], sin
+
+
+def test_the_kernel_builds_with_torchs_blas():
+    assert cpu.torch_sgemm() is not None, "PyTorch's CPU library should export sgemm_"
+    assert cpu.library() is not None, "the layer kernel did not build (is a C compiler installed?)"
+    assert compiled_runs(torch.zeros(2, 3))
+    assert not compiled_runs(torch.zeros(2, 3, dtype=torch.bfloat16)) and not compiled_runs(torch.zeros(3, 2).T)
+
+
+@pytest.mark.parametrize("t", [1, 5, 64])
+def test_rms_norm_matmul_matches_the_tensor_ops(t):
+    w, x = weights(t), torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(t))
+    got = cpu.rms_norm_matmul_cpu(x, w["norm"], 1e-5, w["qkv"])
+    torch.testing.assert_close(got, rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"]), rtol=1e-5, atol=1e-5)
+    for per_head in (False, True):  # RoPE is the tensor ops' arithmetic: bit for bit on the same products
+        rope = tables(t, per_head)
+        rotated = cpu.rms_norm_matmul_cpu(x, w["norm"], 1e-5, w["qkv"], rope, HEADS + KV_HEADS, D)
+        assert torch.equal(rotated, rotate_heads(got, rope, HEADS + KV_HEADS, D))
+        assert torch.equal(rotated[:, (HEADS + KV_HEADS) * D:], got[:, (HEADS + KV_HEADS) * D:])  # v untouched
+
+
+@pytest.mark.parametrize("t", [1, 5, 64])
+def test_layer_output_matches_the_tensor_ops(t):
+    w, g = weights(t), torch.Generator().manual_seed(100 + t)
+    x, attn = torch.randn(t, HIDDEN, generator=g), torch.randn(t, HEADS * D, generator=g)
+    attn[0, :4] = torch.tensor([300.0, -300.0, 0.0, -0.0])  # SwiGLU far out on both sides: no overflow, no NaN
+    args = (x, attn, w["o"], w["norm"], 1e-5, w["gate_up"], w["down"])
+    got = cpu.layer_output_cpu(*args)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, layer_output_torch(*args), rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer_output(*args), got)  # what auto runs here
+
+
+def test_autograd_bf16_and_the_torch_backend_run_the_tensor_ops():
+    w, x = weights(), torch.randn(3, HIDDEN)
+    attn = torch.randn(3, HEADS * D, requires_grad=True)
+    out = layer_output(x, attn, w["o"], w["norm"], 1e-5, w["gate_up"], w["down"])
+    out.sum().backward()  # the kernel has no backward: the tensor ops ran
+    assert attn.grad is not None and attn.grad.abs().sum() > 0
+    bf16 = {k: v.bfloat16() for k, v in w.items()}
+    assert rms_norm_matmul(x.bfloat16(), bf16["norm"], 1e-5, bf16["qkv"]).dtype == torch.bfloat16
+    set_backend("torch")
+    try:
+        args = (x, attn.detach(), w["o"], w["norm"], 1e-5, w["gate_up"], w["down"])
+        assert torch.equal(layer_output(*args), layer_output_torch(*args))
+    finally:
+        set_backend("auto")
+
+
+def test_without_torchs_blas_the_tensor_ops_run(monkeypatch):
+    monkeypatch.setattr(cpu, "torch_sgemm", lambda: None)
+    cpu.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="exports no sgemm_"):
+            assert not compiled_runs(torch.zeros(2, 3))
+        w, x = weights(), torch.randn(3, HIDDEN)
+        assert torch.equal(rms_norm_matmul(x, w["norm"], 1e-5, w["qkv"]),
+                           rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"]))
+    finally:
+        cpu.library.cache_clear()
