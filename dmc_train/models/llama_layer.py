@@ -12,12 +12,12 @@ transformers' ``LlamaDecoderLayer`` without biases; the parts around the attenti
 two ops (compiled on CPU in fp32 at inference: a decode step's layer is then its products and two calls).
 q and k reach ``attend`` before RoPE, or rotated by the tables the caller hands to ``attention_input``
 (:mod:`dmc_train.models.rope`): what happens there differs (the reference rotates both at ``0..n-1``; the engine
-reads DMC's decisions from the un-rotated q and k, and some caches rotate the keys themselves). The inference model runs the two halves itself (:meth:`LlamaLayer.attention_input`,
-:meth:`LlamaLayer.attention_output`, tokens as rows ``[t, ...]``), so that a decode step's heads reach the cache
-in its layout without transposes. Layouts: hidden ``[b, n, hidden]``; ``attend`` takes ``q [b, H, n, d]``,
-``k, v [b, H_kv, n, d]`` and returns ``[b, H, n, d]``. Under tensor parallelism the weights are one rank's shard
-(its heads, its part of the MLP) and ``all_reduce`` sums the output and down projections' partial results over the
-ranks.
+reads DMC's decisions from the un-rotated q and k, and some caches rotate the keys themselves). The inference
+model runs the two halves itself (:meth:`LlamaLayer.attention_input`, :meth:`LlamaLayer.attention_output`,
+tokens as rows ``[t, ...]``), so that a decode step's heads reach the cache in its layout without transposes.
+Layouts: hidden ``[b, n, hidden]``; ``attend`` takes ``q [b, H, n, d]``, ``k, v [b, H_kv, n, d]`` and returns
+``[b, H, n, d]``. Under tensor parallelism the weights are one rank's shard (its heads, its part of the MLP) and
+``all_reduce`` sums the output and down projections' partial results over the ranks.
 """
 
 from __future__ import annotations
