@@ -1,8 +1,8 @@
 """Which implementation the public ops run: one switch for every op family.
 
 - ``auto`` (default): Triton kernels for CUDA tensors when Triton is installed; on CPU, paged decode attention
-  by its compiled kernel (``kernels/paged/cpu.py``, fp32, when a C compiler is present); the PyTorch paths
-  everywhere else.
+  and a Llama layer's dense ops by their compiled kernels (``kernels/paged/cpu.py``, ``kernels/layer/cpu.py``,
+  fp32, when a C compiler is present); the PyTorch paths everywhere else.
 - ``torch``: the PyTorch paths on every device (debugging, comparisons).
 - ``triton``: the Triton kernels on every device. On CPU tensors this needs the Triton interpreter
   (``TRITON_INTERPRET=1`` in the environment before Triton is imported): how the kernels are tested

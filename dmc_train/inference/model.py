@@ -203,17 +203,19 @@ class LlamaForInference:
             return alpha, torch.ones_like(alpha)
         return torch.where(positions.reshape(-1, 1) == 0, -math.inf, self.channel_shift)
 
-    def _decisions(self, heads: torch.Tensor, rule, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hard ``alpha`` and ``omega [t, H_kv]`` (fp32) of one layer from its pre-RoPE ``heads [t, H + 2 H_kv, d]``
-        (rows = tokens; :meth:`LlamaLayer.attention_input`) and the forward's ``rule`` (:meth:`_decision_rule`) at
-        ``positions [b, n]``: training's evaluation functions (:mod:`kernels.dmc.decisions`), bit for bit. Their
-        sigmoid runs on dense tensors in the order it always did (``[t, H_kv]``; HardC ``[b, H_kv, n]``): a
-        vectorised and a scalar sigmoid round differently, so the same values must fall in the same places."""
+    def _decisions(self, channel_values: Optional[torch.Tensor], rule,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hard ``alpha`` and ``omega [t, H_kv]`` (fp32) of one layer from its q and k heads' decision channel before
+        RoPE, ``channel_values [t, H + H_kv]`` (rows = tokens; :meth:`LlamaLayer.attention_input`; None for fixed
+        pooling) and the forward's ``rule`` (:meth:`_decision_rule`) at ``positions [b, n]``: training's evaluation
+        functions (:mod:`kernels.dmc.decisions`), bit for bit. Their sigmoid runs on dense tensors in the order it
+        always did (``[t, H_kv]``; HardC ``[b, H_kv, n]``): a vectorised and a scalar sigmoid round differently, so
+        the same values must fall in the same places."""
         st, (hq, hk, _) = self.dmc, self.head_counts
         if st.pool is not None:
             return rule
         offset, threshold, eps, zero, one = self.decision_scalars
-        q_dec, k_dec = heads[:, : hq + hk, st.channel].split((hq, hk), 1)  # [t, H], [t, H_kv]: the channel
+        q_dec, k_dec = channel_values.split((hq, hk), 1)  # [t, H], [t, H_kv]
         q_dec = q_dec.float()
         logit = k_dec + rule  # alpha_logit, -inf at a first token
         if hq != hk or st.shared:  # GQA: the group's mean (one head: itself, as the mean of one value);
@@ -260,21 +262,22 @@ class LlamaForInference:
         split, rope_in_input = self._split_heads(positions, raw_qk)
         all_reduce = None if self.group is None else self._all_reduce
         rule = None if self.dmc is None else self._decision_rule(positions)
+        channel = None if self.dmc is None else self.dmc.channel
         x = self.embed[tokens]
         for layer in self.layers:
-            heads = layer.attention_input(x, rope_in_input)
-            alpha, omega = (None, None) if rule is None else self._decisions(heads, rule, positions)
+            heads, channel_values = layer.attention_input(x, rope_in_input, channel)
+            alpha, omega = (None, None) if rule is None else self._decisions(channel_values, rule, positions)
             x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), all_reduce)
         return x
 
     def _split_heads(self, positions: torch.Tensor, raw_qk: bool):
         """``(split, rope)``: ``split(heads [t, H + 2 H_kv, d]) -> (q, k, v)`` ``[t, heads, d]`` (views of one layer's
-        heads, q and k rotated) at ``positions [b, n]``, the rotation's tables computed here once for every layer
-        (:func:`rope_tables`); ``rope``: the tables :meth:`LlamaLayer.attention_input` rotates q and k with, or
-        None. Without a decision channel q and k are rotated there, in the projections' call; a DMC model's q and k
-        are rotated together in one call (:func:`rope_rotation`) after its decisions read the channel, which the
-        tables' masks (``rope_masks``) zero; ``rope_order=pre``: only q, and k's channel zeroed (the cache rotates
-        the keys it accumulates); ``raw_qk``: neither (the attention rotates them), the channel zeroed."""
+        heads, q and k rotated) at ``positions [b, n]``; ``rope``: the tables (:func:`rope_tables`, computed here
+        once for every layer) that :meth:`LlamaLayer.attention_input` rotates q and k with in the projections'
+        call, or None. A DMC model's tables zero its decision channel (the masks ``rope_masks``; the decisions read
+        the channel before RoPE). ``rope_order=pre``: only q is rotated, by ``split`` (:func:`rope_rotation`), and
+        k's channel zeroed (the cache rotates the keys it accumulates); ``raw_qk``: neither (the attention rotates
+        them), the channel zeroed."""
         hq, hk, hv = self.head_counts
         keep = self.keep
         if raw_qk:
@@ -287,15 +290,12 @@ class LlamaForInference:
             if keep is None:
                 return (lambda heads: (rotate(heads[:, :hq]), *heads[:, hq:].split((hk, hv), 1))), None
             return (lambda heads: (rotate(heads[:, :hq]), heads[:, hq: hq + hk] * keep, heads[:, hq + hk:])), None
-        if keep is None:
-            cos, sin = rope_tables(positions.reshape(-1, 1), self.inv_freq, self.dtype)  # [t, 1, d]
-            return (lambda heads: heads.split((hq, hk, hv), 1)), (cos[:, 0], sin)
-        rotate = rope_rotation(positions.reshape(-1, 1), self.inv_freq, self.dtype, *self.rope_masks)
-        return (lambda heads: (*rotate(heads[:, : hq + hk]).split((hq, hk), 1), heads[:, hq + hk:])), None
+        cos, sin = rope_tables(positions.reshape(-1, 1), self.inv_freq, self.dtype, *self.rope_masks)  # [t, 1, d]
+        return (lambda heads: heads.split((hq, hk, hv), 1)), (cos[:, 0], sin)  # sin [t, 1 or H + H_kv, d]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[t, V]`` of the last layer's hidden states ``x [t, hidden]`` (final RMSNorm, LM head)."""
-        return rms_norm_matmul(x, self.final_norm, self.shape.norm_eps, self.lm_head_t)
+        return rms_norm_matmul(x, self.final_norm, self.shape.norm_eps, self.lm_head_t)[0]
 
     def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over the tensor-parallel ranks of a row-parallel projection's ``partial``."""

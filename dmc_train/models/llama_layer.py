@@ -68,15 +68,18 @@ class LlamaLayer:
         """The stacked q, k, v projections in the Hugging Face layout ``[(H + 2 H_kv) d, hidden]`` (a view)."""
         return self.qkv_t.T
 
-    def attention_input(self, x: torch.Tensor,
-                        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """The q, k and v heads of the tokens ``x [t, hidden]`` (rows = tokens): RMSNorm, then one matmul over the
-        stacked projections; ``heads [t, H + 2 H_kv, d]``, the query heads first, then the key and the value heads,
-        before RoPE, or with q and k rotated by ``rope``'s tables (``cos [t, d]``, signed ``sin [t, 1, d]``,
-        :func:`~dmc_train.models.rope.rope_tables`) in the same call (:func:`kernels.layer.rms_norm_matmul`)."""
+    def attention_input(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                        channel: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(heads, channel_values)``: the q, k and v heads of the tokens ``x [t, hidden]`` (rows = tokens):
+        RMSNorm, then one matmul over the stacked projections; ``heads [t, H + 2 H_kv, d]``, the query heads first,
+        then the key and the value heads, before RoPE, or with q and k rotated by ``rope``'s tables (``cos [t, d]``,
+        signed ``sin [t, 1 or H + H_kv, d]``, :func:`~dmc_train.models.rope.rope_tables`) in the same call
+        (:func:`kernels.layer.rms_norm_matmul`). ``channel_values [t, H + H_kv]``: the q and k heads' values at
+        ``channel`` before RoPE (DMC's decisions), None without ``channel``."""
         h, g, _ = self.heads
-        heads = rms_norm_matmul(x, self.norm_in, self.eps, self.qkv_t, rope, h + g, self.head_dim)
-        return heads.view(len(x), -1, self.head_dim)
+        heads, channel_values = rms_norm_matmul(x, self.norm_in, self.eps, self.qkv_t, rope, h + g, self.head_dim,
+                                                channel)
+        return heads.view(len(x), -1, self.head_dim), channel_values
 
     def attention_output(self, x: torch.Tensor, out: torch.Tensor,
                          all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
@@ -91,6 +94,6 @@ class LlamaLayer:
         RoPE): :meth:`attention_input`, then the attention, then :meth:`attention_output`."""
         b, n, hidden = x.shape
         x = x.reshape(b * n, hidden)  # rows = tokens: every projection is one 2-d matmul (torch.mm: one call)
-        q, k, v = self.attention_input(x).view(b, n, -1, self.head_dim).split(self.heads, 2)
+        q, k, v = self.attention_input(x)[0].view(b, n, -1, self.head_dim).split(self.heads, 2)
         out = attend(self.index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [b, H, n, d]
         return self.attention_output(x, out.transpose(1, 2).reshape(b * n, -1), all_reduce).view(b, n, hidden)

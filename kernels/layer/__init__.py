@@ -1,6 +1,6 @@
 """A Llama decoder layer's dense ops for inference: everything of a layer but its attention, in two calls.
 
-    heads = rms_norm_matmul(x, norm_in, eps, qkv_w, rope=(cos, sin), rope_heads=H + H_kv, head_dim=d)
+    heads, _ = rms_norm_matmul(x, norm_in, eps, qkv_w, rope=(cos, sin), rope_heads=H + H_kv, head_dim=d)
     x = layer_output(x, attn, o_w, norm_mlp, eps, gate_up_w, down_w)
 
 Layouts: rows are tokens. ``x [t, hidden]``; weights stored ``[in, out]`` contiguous (``qkv_w [hidden, (H + 2 H_kv)
@@ -31,20 +31,22 @@ __all__ = ["rms_norm", "rms_norm_matmul", "layer_output", "compiled_runs"]
 
 def compiled_runs(*tensors: torch.Tensor) -> bool:
     """True when the compiled kernel takes these tensors: CPU, fp32, contiguous, none needing a gradient."""
-    return (get_backend() == "auto"
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and library() is not None)
+    grad = torch.is_grad_enabled()
+    return (get_backend() == "auto" and library() is not None
+            and all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not (grad and t.requires_grad)
+                    for t in tensors))
 
 
 def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor,
-                    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rope_heads: int = 0,
-                    head_dim: int = 0) -> torch.Tensor:
-    """``rms_norm(x, weight, eps) @ w`` ``[t, out]``, then (``rope``) the first ``rope_heads`` heads of ``head_dim``
-    values rotated by the tables (layouts: the module's docstring)."""
+                    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rope_heads: int = 0, head_dim: int = 0,
+                    channel: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(y, channel_values)``: ``y = rms_norm(x, weight, eps) @ w`` ``[t, out]``, then (``rope``) its first
+    ``rope_heads`` heads of ``head_dim`` values rotated by the tables (layouts: the module's docstring);
+    ``channel_values [t, rope_heads]``: those heads' values at ``channel`` before RoPE (DMC's decision channel), or
+    None without ``channel``."""
     if compiled_runs(x, weight, w, *(rope or ())):
-        return rms_norm_matmul_cpu(x, weight, eps, w, rope, rope_heads, head_dim)
-    return rms_norm_matmul_torch(x, weight, eps, w, rope, rope_heads, head_dim)
+        return rms_norm_matmul_cpu(x, weight, eps, w, rope, rope_heads, head_dim, channel)
+    return rms_norm_matmul_torch(x, weight, eps, w, rope, rope_heads, head_dim, channel)
 
 
 def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -44,7 +44,7 @@ def library() -> Optional[ctypes.CDLL]:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.set_sgemm.argtypes = [ptr]
     lib.set_sgemm(sgemm)
-    lib.rms_norm_matmul_f32.argtypes = [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+    lib.rms_norm_matmul_f32.argtypes = [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.layer_output_f32.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64]
     return lib
 
@@ -53,17 +53,24 @@ def _out_of_memory(what: str, t: int) -> MemoryError:
     return MemoryError(f"{what} on CPU: no memory for the scratch buffers of {t} rows")
 
 
-def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0, head_dim: int = 0) -> torch.Tensor:
+def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0, head_dim: int = 0,
+                        channel: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`kernels.layer.rms_norm_matmul` by the compiled kernel (inputs fp32 and contiguous)."""
     (t, h), n = x.shape, w.shape[1]
     y = torch.empty(t, n)
-    cos, sin = rope if rope is not None else (None, None)
+    if rope is None:  # the channel's values are a view of the output
+        cos = sin = channel_values = None
+    else:
+        (cos, sin), channel_values = rope, None if channel is None else torch.empty(t, rope_heads)
     if library().rms_norm_matmul_f32(
             x.data_ptr(), weight.data_ptr(), eps, w.data_ptr(), y.data_ptr(), t, h, n,
             None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-            0 if sin is None else sin.shape[1], rope_heads, head_dim):
+            0 if sin is None else sin.shape[1], rope_heads, head_dim, channel or 0,
+            None if channel_values is None else channel_values.data_ptr()):
         raise _out_of_memory("rms_norm_matmul", t)
-    return y
+    if rope is None and channel is not None:
+        channel_values = y.view(t, -1, head_dim)[:, :rope_heads, channel]
+    return y, channel_values
 
 
 def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w) -> torch.Tensor:

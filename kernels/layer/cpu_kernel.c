@@ -49,9 +49,10 @@ static void rms_norm(const float *x, const float *w, float eps, float *y, int64_
 
 /* Rotate-half RoPE in place of the first `heads` heads (d values each) of each row of y [t, width]:
  * x * cos + roll(x, d / 2) * sin, cos [t, d], sin [t, sin_heads, d] (sin_heads 1: shared by the heads, else one
- * table per head), the sine signed as models/rope.py's rope_rotation makes it. */
+ * table per head), the sine signed as models/rope.py's rope_tables makes it. channel_out [t, heads] (or NULL):
+ * each head's value at `channel` before its rotation. */
 static void rope(float *y, int64_t t, int64_t width, int64_t heads, int64_t d, const float *cos, const float *sin,
-                 int64_t sin_heads) {
+                 int64_t sin_heads, int64_t channel, float *channel_out) {
   const int64_t half = d / 2;
   float x[d];
   for (int64_t r = 0; r < t; ++r)
@@ -59,22 +60,23 @@ static void rope(float *y, int64_t t, int64_t width, int64_t heads, int64_t d, c
       float *yh = y + r * width + h * d;
       const float *c = cos + r * d, *s = sin + (r * sin_heads + (sin_heads == 1 ? 0 : h)) * d;
       memcpy(x, yh, sizeof(float) * d);
+      if (channel_out) channel_out[r * heads + h] = x[channel];
       for (int64_t i = 0; i < half; ++i) yh[i] = x[i] * c[i] + x[i + half] * s[i];
       for (int64_t i = half; i < d; ++i) yh[i] = x[i] * c[i] + x[i - half] * s[i];
     }
 }
 
 /* y [t, n] = rms_norm(x [t, h], norm_w) @ w [h, n]; then, if cos is given, RoPE of y's first rope_heads heads of
- * head_dim values (rope above). Returns nonzero when out of memory. */
+ * head_dim values (rope above, with channel_out). Returns nonzero when out of memory. */
 int rms_norm_matmul_f32(const float *x, const float *norm_w, float eps, const float *w, float *y, int64_t t,
                          int64_t h, int64_t n, const float *cos, const float *sin, int64_t sin_heads,
-                         int64_t rope_heads, int64_t head_dim) {
+                         int64_t rope_heads, int64_t head_dim, int64_t channel, float *channel_out) {
   float *normed = scratch(t * h);
   if (!normed) return 1;
   rms_norm(x, norm_w, eps, normed, t, h);
   matmul(normed, w, y, t, h, n);
   free(normed);
-  if (cos) rope(y, t, n, rope_heads, head_dim, cos, sin, sin_heads);
+  if (cos) rope(y, t, n, rope_heads, head_dim, cos, sin, sin_heads, channel, channel_out);
   return 0;
 }
 

@@ -30,10 +30,12 @@ def rotate_heads(y: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads
 
 def rms_norm_matmul_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor,
                           rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rope_heads: int = 0,
-                          head_dim: int = 0) -> torch.Tensor:
+                          head_dim: int = 0,
+                          channel: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`kernels.layer.rms_norm_matmul` in tensor ops."""
     y = torch.mm(rms_norm(x, weight, eps), w)
-    return y if rope is None else rotate_heads(y, rope, rope_heads, head_dim)
+    channel_values = None if channel is None else y.view(len(y), -1, head_dim)[:, :rope_heads, channel]
+    return (y if rope is None else rotate_heads(y, rope, rope_heads, head_dim)), channel_values
 
 
 def layer_output_torch(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -40,13 +40,19 @@ def test_the_kernel_builds_with_torchs_blas():
 @pytest.mark.parametrize("t", [1, 5, 64])
 def test_rms_norm_matmul_matches_the_tensor_ops(t):
     w, x = weights(t), torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(t))
-    got = cpu.rms_norm_matmul_cpu(x, w["norm"], 1e-5, w["qkv"])
-    torch.testing.assert_close(got, rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"]), rtol=1e-5, atol=1e-5)
+    got, none = cpu.rms_norm_matmul_cpu(x, w["norm"], 1e-5, w["qkv"])
+    want, _ = rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert none is None
+    heads = got.view(t, -1, D)[:, : HEADS + KV_HEADS]
     for per_head in (False, True):  # RoPE is the tensor ops' arithmetic: bit for bit on the same products
         rope = tables(t, per_head)
-        rotated = cpu.rms_norm_matmul_cpu(x, w["norm"], 1e-5, w["qkv"], rope, HEADS + KV_HEADS, D)
+        rotated, channel = cpu.rms_norm_matmul_cpu(x, w["norm"], 1e-5, w["qkv"], rope, HEADS + KV_HEADS, D, 3)
         assert torch.equal(rotated, rotate_heads(got, rope, HEADS + KV_HEADS, D))
         assert torch.equal(rotated[:, (HEADS + KV_HEADS) * D:], got[:, (HEADS + KV_HEADS) * D:])  # v untouched
+        assert torch.equal(channel, heads[:, :, 3])  # the channel before RoPE
+        _, ref_channel = rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"], rope, HEADS + KV_HEADS, D, 3)
+        torch.testing.assert_close(channel, ref_channel, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [1, 5, 64])
@@ -68,7 +74,7 @@ def test_autograd_bf16_and_the_torch_backend_run_the_tensor_ops():
     out.sum().backward()  # the kernel has no backward: the tensor ops ran
     assert attn.grad is not None and attn.grad.abs().sum() > 0
     bf16 = {k: v.bfloat16() for k, v in w.items()}
-    assert rms_norm_matmul(x.bfloat16(), bf16["norm"], 1e-5, bf16["qkv"]).dtype == torch.bfloat16
+    assert rms_norm_matmul(x.bfloat16(), bf16["norm"], 1e-5, bf16["qkv"])[0].dtype == torch.bfloat16
     set_backend("torch")
     try:
         args = (x, attn.detach(), w["o"], w["norm"], 1e-5, w["gate_up"], w["down"])
@@ -84,7 +90,7 @@ def test_without_torchs_blas_the_tensor_ops_run(monkeypatch):
         with pytest.warns(UserWarning, match="exports no sgemm_"):
             assert not compiled_runs(torch.zeros(2, 3))
         w, x = weights(), torch.randn(3, HIDDEN)
-        assert torch.equal(rms_norm_matmul(x, w["norm"], 1e-5, w["qkv"]),
-                           rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"]))
+        assert torch.equal(rms_norm_matmul(x, w["norm"], 1e-5, w["qkv"])[0],
+                           rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"])[0])
     finally:
         cpu.library.cache_clear()
