@@ -143,7 +143,7 @@ def test_wheel_ships_the_recipe_tree_slurm_files_and_the_cpu_kernel_source(insta
     for name in ("train.sbatch.tmpl", "torchrun_node.sh"):
         with open(site / "launch" / "slurm" / name) as shipped, open(os.path.join(ROOT, "launch", "slurm", name)) as f:
             assert shipped.read() == f.read()
-    for source in ("paged/cpu_kernel.c", "layer/cpu_kernel.c", "cpu_math.h"):  # compiled on first use
+    for source in ("paged/cpu_kernel.c", "layer/cpu_kernel.c", "eviction/cpu_kernel.c", "cpu_math.h"):  # built on use
         assert (site / "kernels" / source).exists()
     assert not (site / "recipes").exists() and not (site / "tests").exists() and not (site / "benchmarks").exists()
 

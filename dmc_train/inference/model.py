@@ -138,7 +138,7 @@ class LlamaForInference:
 
     def _decision_channel_tables(self, dmc: DMCSettings, dtype: torch.dtype) -> None:
         """What every forward of a DMC model with a decision channel ``c`` reuses: ``keep [d]`` (0 at ``c``, model
-        dtype); ``rope_masks``, the masks of :func:`rope_rotation`'s tables for the query and key heads rotated
+        dtype); ``rope_masks``, the masks of :func:`rope_tables` for the query and key heads rotated
         together (``rope_order=post``): cos ``keep [d]``, signed sine ``[H + H_kv, d]``, 0 where it multiplies the
         channel (``c + d / 2 mod d``) and, in the query heads, also where it writes it (``c``); the decision
         scalars as 0-dim fp32 tensors (offset, threshold, eps, 0, 1: no scalar conversion per call) and the key

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from dmc_train.errors import ConfigError
+from kernels import eviction
 
 SCHEDULES = ("decode", "prefill")
 AGGREGATES = ("kv_head", "layer")
@@ -205,16 +206,8 @@ def victims(priority: torch.Tensor, entries: Entries, newest: torch.Tensor, sink
     """Slot ``[N]`` of each row's victim: the lowest priority among valid entries outside the fixed part;
     ties go to the oldest position, so the result does not depend on the order of the slots. ``newest [N]``:
     the incoming token (every entry is older). ``priority`` and the entries may have leading dims
-    (``[..., N, L]`` -> ``[..., N]``: e.g. the layers of a step)."""
-    positions = entries.positions
-    # protected | ~valid in fewer calls: an empty slot (position -1) is below any sink count >= 0, and no entry
-    # is newer than the incoming token (so without a recent window nothing more is protected)
-    keep = positions < sink
-    if recent:
-        keep |= positions > (newest - recent)[:, None]
-    ranked = priority.masked_fill(keep, float("inf"))
-    not_lowest = ranked != ranked.amin(-1, keepdim=True)
-    return positions.masked_fill(not_lowest, torch.iinfo(positions.dtype).max).argmin(-1)
+    (``[..., N, L]`` -> ``[..., N]``: e.g. the layers of a step). :func:`kernels.eviction.victims`."""
+    return eviction.victims(priority, entries.positions, newest, sink, recent)
 
 
 def select(priority: torch.Tensor, positions: torch.Tensor, keep: int, newest: torch.Tensor, sink: int,
@@ -246,8 +239,8 @@ def choose_victims(scorer: Scorer, entries: Entries, q: torch.Tensor, step: Step
 
 
 def insert(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor, t: torch.Tensor) -> None:
-    """Record token ``t [N]`` with keys ``k [N, d]`` in slot ``slot [N]`` of every row: :func:`record_token`,
-    then :func:`record_keys`."""
+    """Record token ``t [N]`` with keys ``k [N, d]`` (or ``[B, N / B, d]``) in slot ``slot [N]`` of every row:
+    :func:`record_token`, then :func:`record_keys`."""
     record_token(scorer, entries, slot, t)
     record_keys(scorer, entries, slot, k)
 
@@ -264,9 +257,12 @@ def record_token(scorer: Scorer, entries: Entries, slot: torch.Tensor, t: torch.
 
 
 def record_keys(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor) -> None:
-    """The part of :func:`insert` that reads the keys ``k [N, d]`` written in slot ``slot [N]`` of every row: their
-    scores (``scorer.key_scores``) and hash codes (``scorer.code_bits``)."""
-    index = slot[:, None] if scorer.key_scores or entries.codes is not None else None
+    """The part of :func:`insert` that reads the keys ``k [N, d]`` (or ``[B, N / B, d]``, e.g. a view of a layer's
+    heads) written in slot ``slot [N]`` of every row: their scores (``scorer.key_scores``) and hash codes
+    (``scorer.code_bits``)."""
+    if not (scorer.key_scores or entries.codes is not None):
+        return
+    index, k = slot[:, None], k.reshape(-1, k.shape[-1])
     if scorer.key_scores:
         entries.scores.scatter_(1, index, scorer.new_scores(k)[:, None])
     if entries.codes is not None:

@@ -274,9 +274,8 @@ class EvictingCache(KVCache):
     def _decode_layer(self, step: DecodeStep, layer: int, q, k, v, info: TokenInfo) -> torch.Tensor:
         """One layer of the step: ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``. A full
         row's victim is chosen and overwritten in place, the others append; then attention and the scores."""
-        b, n, hk = q.shape[0], step.rows.shape[1], self.num_kv_heads
-        index = step.layers.index(layer)
-        k, v = k.reshape(n, -1), v.reshape(n, -1)
+        b, hk = q.shape[0], self.num_kv_heads
+        index = step.layers.index(layer)  # k and v stay views of the model's heads (the append reads them strided)
         if not self.evicting:  # prefill schedule: decoded tokens are appended
             return self.attend(step, index, q, None, (k, v, step.flat[index]))[0].view(b, -1, v.shape[-1])
         policy = self._policy_step(step, layer, info.positions)

@@ -1,0 +1,38 @@
+"""The victim choice (kernels/eviction): the compiled CPU kernel against the tensor ops, edge cases included."""
+
+import pytest
+import torch
+
+from kernels.eviction import cpu, victims
+from kernels.eviction.reference import victims_torch
+
+
+def case(lead: tuple, n: int, length: int, seed: int):
+    """Random priorities with ties (values on a coarse grid), rows with empty slots, positions distinct per row."""
+    g = torch.Generator().manual_seed(seed)
+    priority = torch.randint(0, 4, (*lead, n, length), generator=g).float() / 4
+    positions = torch.stack([torch.randperm(300, generator=g)[:length] for _ in range(max(1, torch.Size(lead).numel())
+                                                                                        * n)])
+    positions = positions.view(*lead, n, length)
+    positions[..., 0, -3:] = -1  # empty slots
+    newest = torch.full((n,), 300, dtype=torch.int64)
+    return priority, positions, newest
+
+
+@pytest.mark.parametrize("lead", [(), (3,)])
+@pytest.mark.parametrize("sink, recent", [(0, 0), (4, 0), (4, 32), (0, 400)])
+def test_the_kernel_chooses_what_the_tensor_ops_choose(lead, sink, recent):
+    assert cpu.library() is not None, "the eviction kernel did not build (is a C compiler installed?)"
+    priority, positions, newest = case(lead, 7, 40, seed=sink + recent)
+    priority[..., 1, 5] = float("nan")  # a NaN among the ranked: slot 0, as the tensor ops
+    got = cpu.victims_cpu(priority, positions, newest, sink, recent)
+    assert torch.equal(got, victims_torch(priority, positions, newest, sink, recent))
+    assert torch.equal(victims(priority, positions, newest, sink, recent), got)  # what auto runs here
+    if recent == 400:  # everything protected: every priority ranks +inf, the oldest (an empty slot first) goes
+        assert torch.equal(got[..., 0], torch.full(lead, 37))
+
+
+def test_other_dtypes_take_the_tensor_ops():
+    priority, positions, newest = case((), 5, 16, seed=9)
+    got = victims(priority.double(), positions.int(), newest.int(), 2, 4)
+    assert torch.equal(got, cpu.victims_cpu(priority, positions, newest, 2, 4))
