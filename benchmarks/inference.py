@@ -22,7 +22,7 @@ Set up once per model (untimed, it also warms up):
 2. The budget is ``--budget-seqs`` base sequences; each model's engine holds that many bytes
    (``kv_bytes``) and runs the batch that fits, all at once. Every engine is built before any timing.
 3. The transformers peer (``--hf-peer``, default on): the checkpoint exported once with
-   ``checkpoints_tools/export_hf.py`` to ``<--out's directory>/hf/<name>`` (kept when complete), loaded with
+   ``checkpoints_tools/export_hf.py`` to ``runs/bench/hf/<name>`` (kept when complete), loaded with
    ``AutoModelForCausalLM`` (``trust_remote_code``: DMC runs its own cache), a policy through
    ``dmc_train.inference.hf_policy_cache.PolicyCache``; a model whose peer fails prints why and goes on.
 
@@ -350,7 +350,7 @@ def set_up(specs: dict[str, dict], args) -> tuple[dict, int]:
         run_batch(engine, setups[name]["prompts"], args.context - half, 0)  # warm-up at the batch that fits
         if args.hf_peer:
             try:
-                directory = os.path.join(os.path.dirname(os.path.abspath(args.out)), "hf", spec["export"])
+                directory = os.path.join(ROOT, "runs", "bench", "hf", spec["export"])  # not beside --out (docs/)
                 setups[name]["hf"] = hf_peer(spec["checkpoint"], directory, probe.cache_name, spec["options"])
             except Exception as e:  # noqa: BLE001 -- the peer is optional: say why and go on
                 print(f"{name}: no transformers peer: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
