@@ -27,6 +27,7 @@ def victims(priority: torch.Tensor, positions: torch.Tensor, newest: torch.Tenso
     """Slot ``[..., N]`` (int64) of each row's victim (the module's docstring)."""
     if (get_backend() == "auto" and priority.is_cpu and priority.dtype == torch.float32
             and positions.dtype == newest.dtype == torch.int64 and priority.shape == positions.shape
+            and priority.dim() >= 2 and newest.shape == priority.shape[-2:-1]
             and priority.is_contiguous() and positions.is_contiguous() and newest.is_contiguous()
             and library() is not None):
         return victims_cpu(priority, positions, newest, int(sink), int(recent))

@@ -49,6 +49,13 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def _check(what: str, ok: bool, shapes: dict) -> None:
+    """The kernel reads what the shapes say: refuse inconsistent ones as ``torch.mm`` would (one line)."""
+    if not ok:
+        given = ", ".join(f"{name} {tuple(t.shape)}" for name, t in shapes.items())
+        raise ValueError(f"{what}: inconsistent shapes {given}")
+
+
 def _out_of_memory(what: str, t: int) -> MemoryError:
     return MemoryError(f"{what} on CPU: no memory for the scratch buffers of {t} rows")
 
@@ -57,6 +64,12 @@ def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0
                         channel: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`kernels.layer.rms_norm_matmul` by the compiled kernel (inputs fp32 and contiguous)."""
     (t, h), n = x.shape, w.shape[1]
+    ok = w.shape[0] == h and weight.shape == (h,)
+    if rope is not None:
+        d, cos, sin = head_dim, *rope
+        ok &= (cos.shape == (t, d) and sin.dim() == 3 and sin.shape[0] == t and sin.shape[1] in (1, rope_heads)
+               and sin.shape[2] == d and d % 2 == 0 and rope_heads * d <= n and (channel is None or 0 <= channel < d))
+    _check("rms_norm_matmul", ok, {"x": x, "weight": weight, "w": w, **dict(zip(("cos", "sin"), rope or ()))})
     y = torch.empty(t, n)
     if rope is None:  # the channel's values are a view of the output
         cos = sin = channel_values = None
@@ -76,9 +89,12 @@ def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0
 def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w) -> torch.Tensor:
     """:func:`kernels.layer.layer_output` by the compiled kernel (inputs fp32 and contiguous)."""
     t, h = x.shape
+    a, f = attn.shape[1], down_w.shape[0]
+    _check("layer_output", attn.shape[0] == t and o_w.shape == (a, h) and weight.shape == (h,)
+           and gate_up_w.shape == (h, 2 * f) and down_w.shape == (f, h),
+           {"x": x, "attn": attn, "o_w": o_w, "weight": weight, "gate_up_w": gate_up_w, "down_w": down_w})
     y = torch.empty(t, h)
     if library().layer_output_f32(x.data_ptr(), attn.data_ptr(), o_w.data_ptr(), weight.data_ptr(), eps,
-                                  gate_up_w.data_ptr(), down_w.data_ptr(), y.data_ptr(), t, h, attn.shape[1],
-                                  down_w.shape[0]):
+                                  gate_up_w.data_ptr(), down_w.data_ptr(), y.data_ptr(), t, h, a, f):
         raise _out_of_memory("layer_output", t)
     return y

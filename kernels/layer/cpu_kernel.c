@@ -24,13 +24,18 @@ void set_sgemm(void *f) { sgemm = (sgemm_fn)f; }
 
 /* n floats aligned to 64 bytes, as PyTorch allocates: MKL's results may depend on its operands' alignment, and
  * a product must not change with where malloc put its input. */
-static float *scratch(int64_t n) { return aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64); }
+static float *scratch(int64_t n) { return aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64 + 64); }
 
 /* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous. In BLAS's column-major terms that is
  * y^T = w^T x^T, with no transposes: the call torch.mm makes for these layouts. */
 static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
   const int rows = (int)t, inner = (int)k, cols = (int)n;
   const float one = 1.f, zero = 0.f;
+  if (t == 0 || n == 0) return; /* BLAS refuses a leading dimension of 0 */
+  if (k == 0) {
+    memset(y, 0, sizeof(float) * t * n);
+    return;
+  }
   sgemm("N", "N", &cols, &rows, &inner, &one, w, &cols, x, &inner, &zero, y, &cols);
 }
 

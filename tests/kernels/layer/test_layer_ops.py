@@ -94,3 +94,19 @@ def test_without_torchs_blas_the_tensor_ops_run(monkeypatch):
                            rms_norm_matmul_torch(x, w["norm"], 1e-5, w["qkv"])[0])
     finally:
         cpu.library.cache_clear()
+
+
+def test_no_rows_and_inconsistent_shapes():
+    w = weights()
+    for t in (0, 1):  # no rows: empty outputs (BLAS is not called with a leading dimension of 0)
+        x = torch.randn(t, HIDDEN)
+        assert rms_norm_matmul(x, w["norm"], 1e-5, w["qkv"])[0].shape == (t, w["qkv"].shape[1])
+        assert layer_output(x, torch.randn(t, HEADS * D), w["o"], w["norm"], 1e-5, w["gate_up"],
+                            w["down"]).shape == (t, HIDDEN)
+    x = torch.randn(3, HIDDEN)
+    with pytest.raises(ValueError, match="rms_norm_matmul: inconsistent shapes"):
+        rms_norm_matmul(x, w["norm"], 1e-5, w["down"])  # [ffn, hidden]: the wrong projection
+    with pytest.raises(ValueError, match="rms_norm_matmul: inconsistent shapes"):
+        rms_norm_matmul(x, w["norm"], 1e-5, w["qkv"], tables(2), HEADS + KV_HEADS, D)  # tables of 2 rows
+    with pytest.raises(ValueError, match="layer_output: inconsistent shapes"):
+        layer_output(x, torch.randn(3, HEADS * D), w["o"], w["norm"], 1e-5, w["gate_up"], w["gate_up"])
