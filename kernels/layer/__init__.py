@@ -32,9 +32,10 @@ __all__ = ["rms_norm", "rms_norm_matmul", "layer_output", "compiled_runs"]
 def compiled_runs(*tensors: torch.Tensor) -> bool:
     """True when the compiled kernel takes these tensors: CPU, fp32, contiguous, none needing a gradient."""
     grad = torch.is_grad_enabled()
-    return (get_backend() == "auto" and library() is not None
+    return (get_backend() == "auto"
             and all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not (grad and t.requires_grad)
-                    for t in tensors))
+                    for t in tensors)
+            and library() is not None)  # last: a GPU run never builds it
 
 
 def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor,
