@@ -38,6 +38,7 @@ Torch only (no megatron import): the inference engine uses it without loading me
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -45,8 +46,10 @@ import torch
 
 from dmc_train.config import RopeScalingConfig, rope_scaling_of
 from kernels.dmc import rotate_half_rope
+from kernels.layer import rotate
 
-__all__ = ["rope_inv_freq", "model_inv_freq", "rope_angles", "rotate_half_rope", "rope", "rope_rotation"]
+__all__ = ["rope_inv_freq", "model_inv_freq", "rope_angles", "rotate_half_rope", "rope", "rope_tables",
+           "rope_rotation"]
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScalingConfig | None = None) -> torch.Tensor:
@@ -122,5 +125,4 @@ def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.
     """``x [..., d] -> rotate_half_rope(x, cos, sin)`` at ``positions`` by :func:`rope_tables` (with their masks),
     bit for bit, in four tensor calls instead of six (the tables computed once, here)."""
     cos, sin = rope_tables(positions, inv_freq, dtype, cos_mask, sin_mask)
-    half = cos.shape[-1] // 2
-    return lambda x: x * cos + x.roll(half, -1) * sin
+    return functools.partial(rotate, cos=cos, sin=sin)

@@ -3,6 +3,9 @@
     heads, _ = rms_norm_matmul(x, norm_in, eps, qkv_w, rope=(cos, sin), rope_heads=H + H_kv, head_dim=d)
     x = layer_output(x, attn, o_w, norm_mlp, eps, gate_up_w, down_w)
 
+``rms_norm`` and ``rotate`` (RoPE by the tables) are the tensor ops themselves, shared with training and the
+engine's other paths.
+
 Layouts: rows are tokens. ``x [t, hidden]``; weights stored ``[in, out]`` contiguous (``qkv_w [hidden, (H + 2 H_kv)
 d]``, ``o_w [H d, hidden]``, ``gate_up_w [hidden, 2 ffn]`` gate then up, ``down_w [ffn, hidden]``); ``attn [t, H d]``;
 the norm weights ``[hidden]``. ``rope``: the tables of rotate-half RoPE, ``cos [t, d]`` and the signed sine
@@ -24,9 +27,9 @@ import torch
 from kernels.backend import get_backend
 
 from .cpu import layer_output_cpu, library, rms_norm_matmul_cpu
-from .reference import layer_output_torch, rms_norm, rms_norm_matmul_torch
+from .reference import layer_output_torch, rms_norm, rms_norm_matmul_torch, rotate
 
-__all__ = ["rms_norm", "rms_norm_matmul", "layer_output", "compiled_runs"]
+__all__ = ["rms_norm", "rotate", "rms_norm_matmul", "layer_output", "compiled_runs"]
 
 
 def compiled_runs(*tensors: torch.Tensor) -> bool:

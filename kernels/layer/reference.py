@@ -19,12 +19,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [..., d]`` by ``cos`` and the signed ``sin`` (broadcast against ``x``;
+    :func:`dmc_train.models.rope.rope_tables`): ``x * cos + roll(x, d / 2) * sin``."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
 def rotate_heads(y: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], heads: int, head_dim: int) -> torch.Tensor:
-    """``y [t, width]`` with its first ``heads`` heads of ``head_dim`` values rotated (rotate-half RoPE) by the tables
-    ``rope = (cos [t, d], sin [t, 1 or heads, d])``, the sine signed: ``x * cos + roll(x, d / 2) * sin``."""
+    """``y [t, width]`` with its first ``heads`` heads of ``head_dim`` values rotated (:func:`rotate`) by the tables
+    ``rope = (cos [t, d], sin [t, 1 or heads, d])``."""
     cos, sin = rope
-    x = y[:, : heads * head_dim].view(len(y), heads, head_dim)
-    rotated = x * cos[:, None] + x.roll(head_dim // 2, -1) * sin
+    rotated = rotate(y[:, : heads * head_dim].view(len(y), heads, head_dim), cos[:, None], sin)
     return torch.cat([rotated.flatten(1), y[:, heads * head_dim:]], 1)
 
 
