@@ -7,6 +7,7 @@ import torch
 
 from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import DMCCache, FullCache
+from dmc_train.inference.caches.base import KVCache
 from dmc_train.inference.pool import PagePool
 from kernels.backend import set_backend
 from tests.inference.conftest import SHAPE
@@ -140,6 +141,36 @@ def kernels_backend(request):
     set_backend(request.param)
     yield request.param
     set_backend("auto")
+
+
+def test_full_cache_step_reuses_its_block_table_between_pages(make_model, kernels_backend):
+    """The full cache's once-per-step path (the rows' block table taken again only when a row takes a page) gives
+    the logits, entries and pages of each layer growing its own rows, as rows cross page boundaries; its pages
+    needed per step are the generic count's."""
+    model = make_model("full")
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (70, 41, 55)]
+    stepped, layered = new_cache(model), new_cache(model)
+    layered.begin_decode = lambda seq_ids: None
+    needed = []
+    original = stepped.begin_decode
+
+    def begin_decode(seq_ids):
+        needed.append((stepped.decode_pages_needed(seq_ids), KVCache.decode_pages_needed(stepped, seq_ids)))
+        original(seq_ids)
+
+    stepped.begin_decode = begin_decode
+    got = teacher_forced_decode(model, stepped, sequences, prompt_lens=[3, 1, 9])
+    want = teacher_forced_decode(model, layered, sequences, prompt_lens=[3, 1, 9])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert all(mine == generic for mine, generic in needed) and any(sum(mine) for mine, _ in needed)
+    assert stepped.pool.used_pages == layered.pool.used_pages
+    for s in stepped.rows:
+        assert torch.equal(stepped.entries(s), layered.entries(s))
+        for a, b in zip(stepped.rows[s].flatten().tolist(), layered.rows[s].flatten().tolist()):
+            for x, y in zip(stepped.pool.read(a), layered.pool.read(b)):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", DMC_VARIANTS)

@@ -19,6 +19,7 @@ class FullCache(KVCache):
     name = "full"
     prefill_equals_decode = True
     _step = None  # (seq_ids, slots [layers, B * H_kv], DecodePlan) of the decode step begun
+    _tables = None  # (batch rows, rows [layers, B * H_kv], their block table or None) while the batch is unchanged
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
         n = k.shape[2]
@@ -43,12 +44,28 @@ class FullCache(KVCache):
 
     def begin_decode(self, seq_ids):
         """Every row of the batch grows by one entry: one ``grow`` for all layers, and the slots written and
-        the attention plan computed once (every layer's rows of a sequence hold its tokens: equal lengths)."""
-        rows = self.batch_rows(seq_ids).transpose(0, 1).flatten(1)  # [layers, B * H_kv]
+        the attention plan computed once (every layer's rows of a sequence hold its tokens: equal lengths). A
+        row takes a page only every ``page_size``-th step: in the others only the lengths change, and the rows'
+        block table (stacked per batch, ``[layers, B * H_kv, pages]``) is the previous step's."""
+        batch = self.batch_rows(seq_ids)
+        if self._tables is None or self._tables[0] is not batch:
+            self._tables = (batch, batch.transpose(0, 1).flatten(1), None)  # rows [layers, B * H_kv]
+        _, rows, table = self._tables
         lens = self.pool.seq_lens[rows[0]].long()
         grown = lens + 1
-        self.pool.grow(rows.flatten(), grown.repeat(self.num_layers))
-        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan(rows, grown))
+        if table is None or bool((lens % self.pool.page_size == 0).any()):  # some row takes a page
+            self.pool.grow(rows.flatten(), grown.repeat(self.num_layers))
+            table = self.pool.block_table[rows]
+            self._tables = (batch, rows, table)
+        else:
+            self.pool.seq_lens[rows] = grown.to(self.pool.seq_lens.dtype)
+        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan_table(table, grown))
+
+    def decode_pages_needed(self, seq_ids):
+        """A page for each row of a sequence whose last page is full (one row read per sequence: its rows hold
+        equal lengths)."""
+        lens = self.pool.seq_lens[self.batch_rows(seq_ids)[:, 0, 0]].tolist()
+        return [self.num_layers * self.num_kv_heads if n % self.pool.page_size == 0 else 0 for n in lens]
 
     def end_decode(self):
         self._step = None
@@ -60,6 +77,7 @@ class FullCache(KVCache):
             q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)  # [B * H_kv, G, d]
             out = self.pool.attend_planned(step[2], q, self.scale, index=layer, append=(k, v, step[1][layer]))
             return out.view(b, h, -1)
+        self._tables = None  # a layer grows its rows alone: the next step takes its block table again
         k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()
