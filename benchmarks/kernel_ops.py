@@ -12,7 +12,8 @@ On CUDA (bf16):
   (K/V bytes read per second) and its fraction of ``--peak-gbps``.
 On CPU (what runs here): the PyTorch paths' cost, paged decode time growing with the tokens
 held (not with the block table's width), and paged decode at equal KV bytes with G = 1, 2, 4 query heads
-per KV row (GQA, issue #25), with and without the eviction policies' scores.
+per KV row (GQA, issue #25), with and without the eviction policies' scores; a Llama layer's dense ops
+(kernels/layer) and the eviction policies' victim choice (kernels/eviction): compiled vs their tensor ops.
 
 Every line is a ratio measured in this run; timings are medians of ``--repeats`` calls.
 """
@@ -25,6 +26,10 @@ import torch
 
 from kernels import backend
 from kernels.dmc import dmc_attention, partial_accumulation
+from kernels.eviction import victims
+from kernels.eviction.reference import victims_torch
+from kernels.layer import layer_output, rms_norm_matmul
+from kernels.layer.reference import layer_output_torch, rms_norm_matmul_torch
 from kernels.paged import paged_attention, paged_attention_planned, paged_decode_plan
 
 
@@ -115,6 +120,57 @@ def gqa_report(repeats: int) -> None:
         torch.set_num_threads(threads_before)
 
 
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds per call of each of ``fns`` (name -> callable), the calls interleaved."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def decode_ops_report(repeats: int) -> None:
+    """A decode step's ops outside the attention, compiled (``kernels/layer``, ``kernels/eviction``) vs their tensor
+    ops, at base_tiny's shapes (hidden 256, 8 + 8 + 8 heads of 32, ffn 688) and a 7B layer's (hidden 4096, 32 + 8
+    + 8 heads of 128, ffn 11008), for a decode step's rows; RoPE on q and k in the first op."""
+    print("\na layer's dense ops, compiled vs tensor ops (fp32, RoPE of q and k in the first): microseconds per call")
+    print("shape | rows | rms_norm_matmul | tensor ops | ratio | layer_output | tensor ops | ratio")
+    g = torch.Generator().manual_seed(0)
+    for name, hidden, (h, kv), d, ffn in (("tiny", 256, (8, 8), 32, 688), ("7B", 4096, (32, 8), 128, 11008)):
+        qkv = torch.randn(hidden, (h + 2 * kv) * d, generator=g) * 0.02
+        o, norm = torch.randn(h * d, hidden, generator=g) * 0.02, 1 + 0.1 * torch.randn(hidden, generator=g)
+        gate_up, down = torch.randn(hidden, 2 * ffn, generator=g) * 0.02, torch.randn(ffn, hidden, generator=g) * 0.02
+        for rows in (1, 4, 16):
+            x, attn = torch.randn(rows, hidden, generator=g), torch.randn(rows, h * d, generator=g)
+            angles = torch.rand(rows, d, generator=g)
+            rope = (angles.cos(), angles.sin()[:, None])
+            t = interleaved({
+                "in": lambda: rms_norm_matmul(x, norm, 1e-5, qkv, rope, h + kv, d),
+                "in_torch": lambda: rms_norm_matmul_torch(x, norm, 1e-5, qkv, rope, h + kv, d),
+                "out": lambda: layer_output(x, attn, o, norm, 1e-5, gate_up, down),
+                "out_torch": lambda: layer_output_torch(x, attn, o, norm, 1e-5, gate_up, down)},
+                repeats * (40 if name == "tiny" else 4))
+            us = {k: v * 1e6 for k, v in t.items()}
+            print(f"{name:5s} | {rows:4d} | {us['in']:15.1f} | {us['in_torch']:10.1f} | "
+                  f"{us['in'] / us['in_torch']:5.2f} | {us['out']:12.1f} | {us['out_torch']:10.1f} | "
+                  f"{us['out'] / us['out_torch']:5.2f}")
+    print("\nthe eviction policies' victim choice over every layer's rows: microseconds per call")
+    print("layers x rows x budget | compiled | tensor ops | ratio")
+    for lead, n, budget in ((4, 120, 64), (32, 256, 512)):
+        priority = torch.rand(lead, n, budget, generator=g)
+        positions = torch.stack([torch.randperm(4 * budget, generator=g)[:budget] for _ in range(lead * n)])
+        positions = positions.view(lead, n, budget)
+        newest = torch.full((n,), 4 * budget, dtype=torch.int64)
+        t = interleaved({"c": lambda: victims(priority, positions, newest, 4, 16),
+                         "torch": lambda: victims_torch(priority, positions, newest, 4, 16)}, repeats * 20)
+        print(f"{lead:6d} x {n:4d} x {budget:4d} | {t['c'] * 1e6:8.1f} | {t['torch'] * 1e6:10.1f} | "
+              f"{t['c'] / t['torch']:5.2f}")
+
+
 def cuda_report(args, device) -> None:
     dtype = torch.bfloat16
     print("DMC training attention, forward + backward (bf16, 32 query heads, 8 KV heads, d 128)")
@@ -180,6 +236,7 @@ def cpu_report(args) -> None:
         t = timed(lambda: paged_attention(q, kp, vp, table, lens), args.repeats, device)
         print(f"{tokens:11d} | {t * 1e3:6.2f} | {t * 1e3 / (tokens / 1024):.2f}")
     gqa_report(args.repeats)
+    decode_ops_report(args.repeats)
 
 
 def main() -> None:
