@@ -7,7 +7,7 @@ megatron's torch-norm wrapper asserts when ``sequence_parallel`` is on; its weig
 
 import torch
 
-from kernels.layer import rms_norm  # noqa: F401 (the one RMSNorm: training's, the engine's reference)
+from kernels.layer import rms_norm  # the one RMSNorm function: training's, and the engine's tensor path
 
 
 class RMSNorm(torch.nn.Module):

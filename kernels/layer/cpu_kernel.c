@@ -24,7 +24,10 @@ void set_sgemm(void *f) { sgemm = (sgemm_fn)f; }
 
 /* n floats aligned to 64 bytes, as PyTorch allocates: MKL's results may depend on its operands' alignment, and
  * a product must not change with where malloc put its input. */
-static float *scratch(int64_t n) { return aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64 + 64); }
+static float *scratch(int64_t n) {
+  const size_t bytes = (sizeof(float) * n + 63) / 64 * 64; /* aligned_alloc wants a multiple of the alignment */
+  return aligned_alloc(64, bytes ? bytes : 64);
+}
 
 /* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous. In BLAS's column-major terms that is
  * y^T = w^T x^T, with no transposes: the call torch.mm makes for these layouts. */
