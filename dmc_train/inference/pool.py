@@ -15,7 +15,7 @@ All page arithmetic is here: :meth:`PagePool.for_budget` turns a byte budget int
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -35,6 +35,15 @@ MIN_PAGE_SIZE = 16
 def check_page_size(page_size: int) -> None:
     if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
         raise InferenceError(f"page_size={page_size} must be a power of two >= {MIN_PAGE_SIZE} (e.g. 16, 32, 256)")
+
+
+class PageLoan(NamedTuple):
+    """Pages of the free list lent to ops that take pages themselves (:meth:`PagePool.lend_pages`): ``pages [m]``
+    int32, the free list's last m pages in its order, and ``left [1]`` int64, how many of them are not taken yet:
+    an op takes ``pages[left - 1]`` and counts ``left`` down (the page ``pop()`` would give)."""
+
+    pages: torch.Tensor
+    left: torch.Tensor
 
 
 class PagePool:
@@ -139,65 +148,39 @@ class PagePool:
 
         Raises :class:`OutOfPages` (and changes nothing) when the free list is too short.
         """
-        self.grow_pages(rows, new_lens)
-        self.seq_lens[rows] = new_lens.to(torch.int32)
-
-    def grow_pages(self, rows: torch.Tensor, new_lens: torch.Tensor) -> None:
-        """:meth:`grow` without setting the lengths: ``rows [n]`` get the pages that ``new_lens [n]`` entries need,
-        and the caller sets the lengths (DMC's update op counts a step's appends itself). Raises
-        :class:`OutOfPages` (and changes nothing) when the free list is too short."""
         have, need = self.pages_for(self.seq_lens[rows]), self.pages_for(new_lens)
         extra = (need - have).clamp(min=0)
         needed = int(extra.sum())
-        if not needed:
-            return
-        if needed > len(self.free_pages):  # (a row can pass the model's positions only by needing a page)
-            raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
-        longest = int(new_lens.max())
-        if longest > self.max_pages_per_row * self.page_size:
-            raise InferenceError(f"a row would hold {longest} entries, more than the model's "
-                                 f"{self.max_pages_per_row * self.page_size} positions")
-        # the pages pop() would take, in row order: row r's new pages go to its entries have[r]..need[r]-1
-        pages = self.free_pages[: -needed - 1: -1]
-        del self.free_pages[-needed:]
-        first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
-        index = have.repeat_interleave(extra) + torch.arange(needed) - first
-        self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
-        self.peak_pages = max(self.peak_pages, self.used_pages)
+        if needed:
+            if needed > len(self.free_pages):  # (a row can pass the model's positions only by needing a page)
+                raise OutOfPages(f"out of KV pages: {needed} needed, {len(self.free_pages)} free of {self.num_pages}")
+            longest = int(new_lens.max())
+            if longest > self.max_pages_per_row * self.page_size:
+                raise InferenceError(f"a row would hold {longest} entries, more than the model's "
+                                     f"{self.max_pages_per_row * self.page_size} positions")
+            # the pages pop() would take, in row order: row r's new pages go to its entries have[r]..need[r]-1
+            pages = self.free_pages[: -needed - 1: -1]
+            del self.free_pages[-needed:]
+            first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
+            index = have.repeat_interleave(extra) + torch.arange(needed) - first
+            self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
+            self.peak_pages = max(self.peak_pages, self.used_pages)
+        self.seq_lens[rows] = new_lens.to(torch.int32)
 
-    def reserve_next(self, rows: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """Give each of ``rows [n]`` whose last page is full the page its next entry would take, its length
-        unchanged (a decode step whose rows grow by at most one entry each, decided later: DMC). Returns the
-        reservation ``(rows [m], index [m])`` (which rows got a page, at which block-table column; empty when
-        none needed one), for :meth:`return_unused`; None (changing nothing) when such a row already holds the
-        model's positions; raises :class:`OutOfPages` (changing nothing) when the free list is too short.
-        Until :meth:`return_unused` a row may hold one page past ``pages_for(seq_lens)``: it grows into it by
-        its length alone (``seq_lens``, not :meth:`grow`, which would take another page)."""
-        lens = self.seq_lens[rows].long()
-        full = lens % self.page_size == 0
-        rows, index = rows[full], lens[full] // self.page_size
-        if not len(rows):
-            return rows, index
-        if int(index.max()) >= self.max_pages_per_row:
-            return None
-        if len(rows) > len(self.free_pages):
-            raise OutOfPages(f"out of KV pages: {len(rows)} needed, {len(self.free_pages)} free of {self.num_pages}")
-        pages = self.free_pages[: -len(rows) - 1: -1]  # the pages pop() would take, in row order
-        del self.free_pages[-len(rows):]
-        self.block_table[rows, index] = torch.tensor(pages, dtype=torch.int32)
-        return rows, index
+    def lend_pages(self, count: int) -> PageLoan:
+        """Lend the last ``min(count, free)`` pages of the free list to ops that take pages as they go (DMC's
+        decode step: :func:`kernels.paged.dmc_cache_update`), in the order ``pop()`` would give them. The free list
+        is unchanged until :meth:`settle`; nothing else may take or return pages in between."""
+        pages = self.free_pages[len(self.free_pages) - min(count, len(self.free_pages)):]
+        return PageLoan(torch.tensor(pages, dtype=torch.int32), torch.tensor([len(pages)]))
 
-    def return_unused(self, reserved: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Return the pages of a :meth:`reserve_next` reservation that their rows did not grow into (length still
-        at most the page's first entry) to the free list, then count the peak. Nothing to do (no tensor call)
-        when nothing was reserved: most decode steps."""
-        rows, index = reserved
-        if len(rows):
-            unused = self.seq_lens[rows].long() <= index * self.page_size
-            rows, index = rows[unused], index[unused]
-            self.free_pages.extend(self.block_table[rows, index].tolist())
-            self.block_table[rows, index] = -1
-        self.peak_pages = max(self.peak_pages, self.used_pages)
+    def settle(self, loan: PageLoan) -> None:
+        """Take the pages the ops took from ``loan`` (the last ``m - left`` of the free list) off the free list and
+        count the peak."""
+        taken = len(loan.pages) - int(loan.left)
+        if taken:
+            del self.free_pages[-taken:]
+            self.peak_pages = max(self.peak_pages, self.used_pages)
 
     # -- reading and writing entries --------------------------------------------------------------
     def locate(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,9 +40,11 @@ kernel for fp32 decode attention and PyTorch for the rest):
 - :func:`paged_write`: store entries at positions of rows (append; an eviction policy's in-place
   overwrite). PyTorch: ``writes.py``.
 - :func:`dmc_cache_update`: one DMC decode step per row (merge into the open slot or append: the appending
-  rows' lengths counted), the open slot's normalised state into its page entry, and the rows' new lengths
-  returned for the attention. CPU, fp32 pages: ``cpu.py`` (one call); Triton: ``triton_kernels.py``; PyTorch:
-  ``writes.py``.
+  rows' lengths counted, their new pages taken from the caller's spare ones), the open slot's normalised state
+  into its page entry, and the rows' new lengths returned for the attention. CPU, fp32 pages: ``cpu.py`` (one
+  call); Triton: ``triton_kernels.py``; PyTorch: ``writes.py``.
+- :func:`dmc_decode`: a layer's DMC decode step, :func:`dmc_cache_update` then :func:`paged_attention` over the
+  rows; one call on CPU (``cpu.py``).
 
 References (``reference.py``, re-exported here): :func:`reference_paged_attention` (loop over rows and
 tokens), :func:`reference_attention_column_sums` (loop over queries and heads).
@@ -61,14 +63,21 @@ from kernels.backend import get_backend, use_triton
 
 from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores
 from .column_sums import attention_column_sums_torch
-from .cpu import cpu_kernel_fits, cpu_kernel_runs, dmc_cache_update_cpu, dmc_update_fits, paged_attention_cpu
+from .cpu import (
+    cpu_kernel_fits,
+    cpu_kernel_runs,
+    dmc_cache_update_cpu,
+    dmc_decode_cpu,
+    dmc_update_fits,
+    paged_attention_cpu,
+)
 from .flash import flash_fits, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
 from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_decode
-from .writes import dmc_cache_update_torch, paged_write_torch, write_slots_torch
+from .writes import dmc_cache_update_torch, paged_write_torch, take_spare_pages_torch, write_slots_torch
 
-__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "paged_attention", "paged_attention_planned",
-           "paged_decode_plan", "paged_write", "reads_block_table",
+__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "dmc_decode", "paged_attention",
+           "paged_attention_planned", "paged_decode_plan", "paged_write", "reads_block_table",
            "reference_attention_column_sums", "reference_paged_attention"]
 
 
@@ -238,23 +247,56 @@ def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch
 
 def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, rows: torch.Tensor, alpha: torch.Tensor, omega: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, open_state: torch.Tensor,
-                     open_tokens: torch.Tensor) -> torch.Tensor:
+                     k: torch.Tensor, v: torch.Tensor, open_state: torch.Tensor, open_tokens: torch.Tensor,
+                     spare: torch.Tensor | None = None, spare_left: torch.Tensor | None = None) -> torch.Tensor:
     """One DMC decode step (Algorithm 1) for ``rows [N]`` (distinct), in place; returns their lengths after it.
 
     ``alpha``: the hard decisions as the model gives them (float; ``0.`` appends: close the open slot and start a
     new one with this token; ``1.``: merge the token into the open slot); ``omega``: importances; both hold N
     values, ``[N]`` or ``[B, H_kv]`` (``N = B H_kv`` rows, sequence-major). ``k [N, d]`` or ``[B, H_kv, d]``,
     ``v`` likewise with ``d_v``. ``seq_lens`` holds the rows' lengths before the step: the op adds one for each
-    appending row, whose new entry's page the caller has assigned in ``block_table`` (``PagePool.reserve_next``,
-    or pages grown beforehand). The open slot's normalised state goes into entry ``seq_lens[row] - 1``. Returns
-    ``lens [N]`` (``seq_lens``' dtype): ``seq_lens[rows]`` after the step, what the attention over the rows reads.
+    appending row. An append whose row's last page is full starts a page: with ``spare [P]`` (int32 page ids,
+    host) and ``spare_left [1]`` (int64, host) it takes ``spare[spare_left - 1]`` (then the one before, in row
+    order) into ``block_table`` and counts ``spare_left`` down; without, the caller has assigned that page. The
+    open slot's normalised state goes into entry ``seq_lens[row] - 1``. Returns ``lens [N]`` (``seq_lens``' dtype):
+    ``seq_lens[rows]`` after the step, what the attention over the rows reads. Raises ValueError, changing
+    nothing, when the spare pages are too few or a row would pass its block-table row.
 
     State of each pool row (fp32): ``open_state [rows, ring, d + d_v + 1]``, per ring slot the omega-weighted key
     and value side by side and their omega last; ``open_tokens [rows]`` int64, the tokens of the open segment.
     ``ring = 1``: exact accumulation; ``ring = w``: the window of the last w tokens (``writes.py``). Inputs already
     in the kernel's dtype and layout are used as they are (no conversion call).
     """
+    _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
+    if get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_state):
+        return dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                                    open_tokens, spare, spare_left)
+    if spare is not None:
+        take_spare_pages_torch(block_table, seq_lens, rows, alpha, k_pages.shape[1], spare, spare_left)
+    return _impl("dmc_cache_update", k_pages.device)(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k,
+                                                     v, open_state, open_tokens)
+
+
+def dmc_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               rows: torch.Tensor, alpha: torch.Tensor, omega: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               open_state: torch.Tensor, open_tokens: torch.Tensor, q: torch.Tensor, scale: float,
+               spare: torch.Tensor | None = None, spare_left: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer's DMC decode step: :func:`dmc_cache_update` (arguments as there), then :func:`paged_attention` of
+    ``q [N, G, d]`` (row r's G query heads) over the rows' entries, the new ones included -> ``[N, G, d_v]``. One
+    kernel call on CPU with fp32 pages (no block table gathered, no lengths returned); elsewhere the two ops."""
+    _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
+    if q.dim() != 3 or q.shape[0] != rows.shape[0]:
+        raise ValueError(f"q must be [N, G, d] with N = {rows.shape[0]} rows, got {tuple(q.shape)}")
+    if (get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_state)
+            and cpu_kernel_fits(q, k_pages, v_pages)):
+        return dmc_decode_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                              open_tokens, q, float(scale), spare, spare_left)
+    lens = dmc_cache_update(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens,
+                            spare, spare_left)
+    return paged_attention(q, k_pages, v_pages, block_table[rows], lens, scale, check_values=False)
+
+
+def _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens) -> None:
     n, width = rows.shape[0], open_state.shape[-1]
     if open_state.dtype != torch.float32 or open_tokens.dtype != torch.int64:
         raise ValueError("the open-slot state must be float32 (open_state) and int64 (open_tokens)")
@@ -263,8 +305,3 @@ def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
         raise ValueError(f"alpha {tuple(alpha.shape)}, omega {tuple(omega.shape)}, k {tuple(k.shape)} and v "
                          f"{tuple(v.shape)} must hold one token for each of the {n} rows, and open_state "
                          f"{tuple(open_state.shape)} d + d_v + 1 values per ring slot")
-    if get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_state):
-        return dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                                    open_tokens)
-    return _impl("dmc_cache_update", k_pages.device)(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k,
-                                                     v, open_state, open_tokens)

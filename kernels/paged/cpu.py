@@ -8,7 +8,8 @@ heads sharing each key and value loaded), rows spread over the OpenMP threads (a
 ``torch.get_num_threads()``). Same contract and outputs as
 :func:`kernels.paged.paged_attention` (``scores`` "probs" / "logits", ``return_lse``), fp32 only. Beside it,
 DMC's decode-step update (:func:`kernels.paged.dmc_cache_update`: Algorithm 1 on each row's open slot, in the
-cache's own state, and the slot's entry written) in one call instead of a dozen tensor ops.
+cache's own state, and the slot's entry written) in one call instead of a dozen tensor ops, and the update and the
+attention of a layer's decode step in one call (:func:`kernels.paged.dmc_decode`).
 
 The shared library is compiled once per machine on first use (:mod:`kernels.compiled`: cached in
 ``$DMC_KERNELS_CACHE``, default ``~/.cache/dmc_train/kernels``) and loaded with ctypes. Without a C compiler (or
@@ -44,9 +45,11 @@ def library() -> Optional[ctypes.CDLL]:
     lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i64, i64, i64, i64, i64, ctypes.c_float,
                                      ptr, ptr, ptr, i64, i32, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr]
     lib.paged_decode_f32.restype = ctypes.c_int
-    lib.dmc_update_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr,
-                                   i64, ptr, ptr, i64, i64, i64, i64, i64]
-    lib.dmc_update_f32.restype = None
+    dmc_step = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr,
+                i64, i64, i64, i64, i64, ptr, ptr]  # DMC_STEP_ARGS
+    lib.dmc_update_f32.argtypes = dmc_step + [ptr]
+    lib.dmc_decode_f32.argtypes = dmc_step + [ptr, i64, ctypes.c_float, ptr, i32]
+    lib.dmc_update_f32.restype = lib.dmc_decode_f32.restype = ctypes.c_int
     return lib
 
 
@@ -122,20 +125,55 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (1, t.stride(0), 0) if t.dim() == 2 else (t.shape[1], t.stride(0), t.stride(1))
 
 
-def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                         open_tokens) -> torch.Tensor:
-    """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`dmc_update_fits`).
-    Inputs that already have the kernel's dtype and layout are passed as they are."""
-    n = rows.shape[0]
+def _dmc_step(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens, spare,
+              spare_left) -> tuple[tuple, tuple]:
+    """The arguments of the kernel's DMC step (``DMC_STEP_ARGS`` in cpu_kernel.c) and the tensors they point into
+    (kept alive by the caller during the call). Inputs that already have the kernel's dtype and layout are passed
+    as they are."""
     if rows.dtype != torch.int64 or not rows.is_contiguous():
         rows = rows.to(torch.int64).contiguous()
     alpha, omega = (_f32(t).contiguous() for t in (alpha, omega))  # N values (contiguous(): no call when it is)
     k, v = _f32(k), _f32(v)
+    if spare is not None and (spare.dtype != torch.int32 or not spare.is_contiguous() or spare_left is None
+                              or spare_left.dtype != torch.int64):
+        raise ValueError("spare pages must be a contiguous int32 tensor with an int64 count spare_left")
     (inner, sk_outer, sk_inner), (_, sv_outer, sv_inner) = _row_strides(k), _row_strides(v)
-    lens = torch.empty(n, dtype=torch.int32)
-    library().dmc_update_f32(
-        rows.data_ptr(), alpha.data_ptr(), omega.data_ptr(), k.data_ptr(), sk_outer, sk_inner, v.data_ptr(),
-        sv_outer, sv_inner, inner, open_state.data_ptr(), open_state.stride(0), open_state.stride(1),
-        open_tokens.data_ptr(), seq_lens.data_ptr(), lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-        k_pages.data_ptr(), v_pages.data_ptr(), n, open_state.shape[1], k.shape[-1], v.shape[-1], k_pages.shape[1])
+    args = (rows.data_ptr(), alpha.data_ptr(), omega.data_ptr(), k.data_ptr(), sk_outer, sk_inner, v.data_ptr(),
+            sv_outer, sv_inner, inner, open_state.data_ptr(), open_state.stride(0), open_state.stride(1),
+            open_tokens.data_ptr(), seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+            block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), rows.shape[0], open_state.shape[1],
+            k.shape[-1], v.shape[-1], k_pages.shape[1], _ptr(spare), _ptr(spare_left))
+    return args, (rows, alpha, omega, k, v)
+
+
+def _check_pages_taken(failed: int, spare_left: Optional[torch.Tensor], max_pages: int) -> None:
+    """The kernel's DMC step changed nothing when it failed: say why (:func:`kernels.paged.dmc_cache_update`)."""
+    if failed == 1:
+        raise ValueError(f"the step's appends need more pages than the {int(spare_left)} spare ones left; lend "
+                         f"more (PagePool.lend_pages)")
+    if failed == 2:
+        raise ValueError(f"a row would hold more entries than its block-table row's {max_pages} pages")
+
+
+def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                         open_tokens, spare=None, spare_left=None) -> torch.Tensor:
+    """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`dmc_update_fits`)."""
+    args, _alive = _dmc_step(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                             open_tokens, spare, spare_left)
+    lens = torch.empty(rows.shape[0], dtype=torch.int32)
+    _check_pages_taken(library().dmc_update_f32(*args, lens.data_ptr()), spare_left, block_table.shape[1])
     return lens
+
+
+def dmc_decode_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens,
+                   q, scale: float, spare=None, spare_left=None) -> torch.Tensor:
+    """:func:`kernels.paged.dmc_decode` by the compiled kernel: the step and the attention in one call (inputs as
+    there; :func:`dmc_update_fits` and :func:`cpu_kernel_fits`)."""
+    args, _alive = _dmc_step(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                             open_tokens, spare, spare_left)
+    n, groups, _ = q.shape
+    q = q.contiguous()
+    out = torch.empty(n, groups, v_pages.shape[-1])
+    failed = library().dmc_decode_f32(*args, q.data_ptr(), groups, scale, out.data_ptr(), torch.get_num_threads())
+    _check_pages_taken(failed, spare_left, block_table.shape[1])
+    return out

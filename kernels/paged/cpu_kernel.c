@@ -130,6 +130,7 @@ INLINE void attend_block(const float *q, const float *k, const float *v, int64_t
 struct attention { /* paged_decode_f32's arguments */
   const float *q, *k_pages, *v_pages;
   const int32_t *block_table;
+  const int64_t *rows; /* row r's block-table row is rows[r] (dmc_decode_f32), or r when NULL */
   int64_t table_stride, groups, page_size;
   float scale, *out, *lse, *scores;
   int64_t scores_width;
@@ -139,7 +140,7 @@ struct attention { /* paged_decode_f32's arguments */
 /* Row r, of len entries; kept: a buffer of groups x len for scores_mode 1. */
 INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, float *kept) {
   const int64_t groups = a->groups, page_size = a->page_size;
-  const int32_t *pages = a->block_table + r * a->table_stride;
+  const int32_t *pages = a->block_table + (a->rows ? a->rows[r] : r) * a->table_stride;
   const float *q = a->q + r * groups * d, scale = a->scale;
   float *out = a->out + r * groups * dv, *scores = a->scores ? a->scores + r * a->scores_width : NULL;
   const int scores_mode = a->scores_mode;
@@ -178,6 +179,18 @@ INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_
   if (scores_mode) memset(scores + len, 0, sizeof(float) * (a->scores_width - len));
 }
 
+/* attend_row with the usual head sizes as constants (their loops unrolled), others as variables. */
+static void attend_row_sized(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, float *kept) {
+  if (d == 32 && dv == 32)
+    attend_row(a, r, len, 32, 32, kept);
+  else if (d == 64 && dv == 64)
+    attend_row(a, r, len, 64, 64, kept);
+  else if (d == 128 && dv == 128)
+    attend_row(a, r, len, 128, 128, kept);
+  else
+    attend_row(a, r, len, d, dv, kept);
+}
+
 /* q [rows, groups, d], k_pages [P, page_size, d], v_pages [P, page_size, dv] (contiguous fp32);
  * block_table [rows, table_stride] int32 (row r's pages in order); seq_lens [rows] int64, or int32 when
  * lens_int32 (>= 1);
@@ -191,8 +204,8 @@ int paged_decode_f32(const float *q, float *k_pages, float *v_pages, const int32
                      int64_t scores_width, int scores_mode, int num_threads, const float *k_new,
                      int64_t sk_outer, int64_t sk_inner, const float *v_new, int64_t sv_outer, int64_t sv_inner,
                      int64_t inner, const int64_t *slots) {
-  const struct attention a = {q, k_pages, v_pages, block_table, table_stride, groups, page_size, scale, out, lse,
-                              scores, scores_width, scores_mode};
+  const struct attention a = {q, k_pages, v_pages, block_table, NULL, table_stride, groups, page_size, scale, out,
+                              lse, scores, scores_width, scores_mode};
   int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t r = 0; r < rows; ++r) {
@@ -207,59 +220,117 @@ int paged_decode_f32(const float *q, float *k_pages, float *v_pages, const int32
       failed = 1;
       continue;
     }
-    if (d == 32 && dv == 32)
-      attend_row(&a, r, len, 32, 32, kept);
-    else if (d == 64 && dv == 64)
-      attend_row(&a, r, len, 64, 64, kept);
-    else if (d == 128 && dv == 128)
-      attend_row(&a, r, len, 128, 128, kept);
-    else
-      attend_row(&a, r, len, d, dv, kept);
+    attend_row_sized(&a, r, len, d, dv, kept);
     free(kept);
   }
   return failed;
 }
 
-/* One DMC decode step per row (kernels/paged/writes.py, dmc_cache_update_torch, is the same in tensor ops):
+/* DMC's decode step (kernels/paged/writes.py, dmc_cache_update_torch, is the same in tensor ops). The rows' inputs:
  * rows [n] int64; alpha [n] fp32, the hard decision (0 appends, anything else merges); omega [n] fp32; row r's new
  * key at k + (r / inner) * sk_outer + (r % inner) * sk_inner (d values: k [n, d] with inner 1, or [b, inner, d]),
- * its value likewise (dv values); ring slot j of pool row `row`'s open-slot state at state + row * s_row +
- * j * s_ring: the omega-weighted key (d values), value (dv values), then their omega; open_tokens [rows] int64;
- * seq_lens [rows] int32, the lengths before the step. An append adds one to seq_lens[row] (the caller assigned the
- * page of that entry), zeroes the state and the token count; the weighted [k | v | 1] then adds to the sums (ring
- * 1: exact) or replaces the ring slot tokens % ring (window); the normalised state, sum u / sum z over the ring,
- * goes into entry seq_lens[row] - 1 of the row's pages, and lens[r] (int32) is the row's new length. */
-void dmc_update_f32(const int64_t *rows, const float *alpha, const float *omega, const float *k, int64_t sk_outer,
-                    int64_t sk_inner, const float *v, int64_t sv_outer, int64_t sv_inner, int64_t inner,
-                    float *state, int64_t s_row, int64_t s_ring, int64_t *open_tokens, int32_t *seq_lens,
-                    int32_t *lens, const int32_t *block_table, int64_t table_stride, float *k_pages, float *v_pages,
-                    int64_t n, int64_t ring, int64_t d, int64_t dv, int64_t page_size) {
-  const int64_t width = d + dv + 1;
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t row = rows[r];
-    const float *k_new = k + (r / inner) * sk_outer + (r % inner) * sk_inner;
-    const float *v_new = v + (r / inner) * sv_outer + (r % inner) * sv_inner;
-    float *u = state + row * s_row;
-    if (alpha[r] == 0.f) {
-      for (int64_t j = 0; j < ring; ++j) memset(u + j * s_ring, 0, sizeof(float) * width);
-      open_tokens[row] = 0;
-      seq_lens[row] += 1;
-    }
-    const float w = omega[r];
-    float *s = u + (ring == 1 ? 0 : open_tokens[row] % ring) * s_ring;
-    for (int64_t c = 0; c < d; ++c) s[c] = (ring == 1 ? s[c] : 0.f) + k_new[c] * w;
-    for (int64_t c = 0; c < dv; ++c) s[d + c] = (ring == 1 ? s[d + c] : 0.f) + v_new[c] * w;
-    s[d + dv] = (ring == 1 ? s[d + dv] : 0.f) + w;
-    open_tokens[row] += 1;
-    lens[r] = seq_lens[row];
-    const int64_t entry = seq_lens[row] - 1;
-    const int64_t at = (int64_t)block_table[row * table_stride + entry / page_size] * page_size + entry % page_size;
-    float *k_out = k_pages + at * d, *v_out = v_pages + at * dv, total = 0.f;
-    for (int64_t j = 0; j < ring; ++j) total += u[j * s_ring + d + dv];
-    for (int64_t c = 0; c < d + dv; ++c) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < ring; ++j) sum += u[j * s_ring + c];
-      *(c < d ? k_out + c : v_out + (c - d)) = sum / total;  /* [k | v] side by side in the state */
+ * its value likewise (dv values). The cache: ring slot j of pool row `row`'s open-slot state at state + row *
+ * s_row + j * s_ring, the omega-weighted key (d values), value (dv values), then their omega; open_tokens [rows]
+ * int64; seq_lens [rows] int32, the lengths before the step; block_table [rows, table_stride] int32, max_pages
+ * columns used at most. */
+struct dmc_step {
+  const int64_t *rows;
+  const float *alpha, *omega, *k;
+  int64_t sk_outer, sk_inner;
+  const float *v;
+  int64_t sv_outer, sv_inner, inner;
+  float *state;
+  int64_t s_row, s_ring, *open_tokens;
+  int32_t *seq_lens, *block_table;
+  int64_t table_stride, max_pages;
+  float *k_pages, *v_pages;
+  int64_t n, ring, d, dv, page_size;
+};
+
+/* The pages of the step's appends: a row whose new entry starts a page (alpha 0, its last page full) takes
+ * spare[--*left] as that page, in row order. spare NULL: the caller assigned them. Returns 0; 1 when fewer spare
+ * pages are left than needed, 2 when a row would need more than max_pages pages: nothing changed then. */
+static int take_pages(const struct dmc_step *s, const int32_t *spare, int64_t *left) {
+  if (!spare) return 0;
+  int64_t needed = 0;
+  for (int64_t r = 0; r < s->n; ++r) {
+    const int64_t len = s->seq_lens[s->rows[r]];
+    if (s->alpha[r] == 0.f && len % s->page_size == 0) {
+      if (len / s->page_size >= s->max_pages) return 2;
+      ++needed;
     }
   }
+  if (needed > *left) return 1;
+  for (int64_t r = 0; r < s->n; ++r) {
+    const int64_t row = s->rows[r], len = s->seq_lens[row];
+    if (s->alpha[r] == 0.f && len % s->page_size == 0)
+      s->block_table[row * s->table_stride + len / s->page_size] = spare[--*left];
+  }
+  return 0;
+}
+
+/* Row r's step: an append adds one to seq_lens[row] (its page assigned), zeroes the state and the token count;
+ * the weighted [k | v | 1] then adds to the sums (ring 1: exact) or replaces the ring slot tokens % ring (window);
+ * the normalised state, sum u / sum z over the ring, goes into entry seq_lens[row] - 1 of the row's pages. Returns
+ * the row's new length. */
+INLINE int32_t update_row(const struct dmc_step *s, int64_t r) {
+  const int64_t row = s->rows[r], ring = s->ring, s_ring = s->s_ring, d = s->d, dv = s->dv, width = d + dv + 1;
+  const float *k_new = s->k + (r / s->inner) * s->sk_outer + (r % s->inner) * s->sk_inner;
+  const float *v_new = s->v + (r / s->inner) * s->sv_outer + (r % s->inner) * s->sv_inner;
+  float *u = s->state + row * s->s_row;
+  if (s->alpha[r] == 0.f) {
+    for (int64_t j = 0; j < ring; ++j) memset(u + j * s_ring, 0, sizeof(float) * width);
+    s->open_tokens[row] = 0;
+    s->seq_lens[row] += 1;
+  }
+  const float w = s->omega[r];
+  float *slot = u + (ring == 1 ? 0 : s->open_tokens[row] % ring) * s_ring;
+  for (int64_t c = 0; c < d; ++c) slot[c] = (ring == 1 ? slot[c] : 0.f) + k_new[c] * w;
+  for (int64_t c = 0; c < dv; ++c) slot[d + c] = (ring == 1 ? slot[d + c] : 0.f) + v_new[c] * w;
+  slot[d + dv] = (ring == 1 ? slot[d + dv] : 0.f) + w;
+  s->open_tokens[row] += 1;
+  const int64_t entry = s->seq_lens[row] - 1, page_size = s->page_size;
+  const int64_t at = (int64_t)s->block_table[row * s->table_stride + entry / page_size] * page_size + entry % page_size;
+  float *k_out = s->k_pages + at * d, *v_out = s->v_pages + at * dv, total = 0.f;
+  for (int64_t j = 0; j < ring; ++j) total += u[j * s_ring + d + dv];
+  for (int64_t c = 0; c < d + dv; ++c) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < ring; ++j) sum += u[j * s_ring + c];
+    *(c < d ? k_out + c : v_out + (c - d)) = sum / total; /* [k | v] side by side in the state */
+  }
+  return s->seq_lens[row];
+}
+
+#define DMC_STEP_ARGS                                                                                                 \
+  const int64_t *rows, const float *alpha, const float *omega, const float *k, int64_t sk_outer, int64_t sk_inner,   \
+      const float *v, int64_t sv_outer, int64_t sv_inner, int64_t inner, float *state, int64_t s_row, int64_t s_ring, \
+      int64_t *open_tokens, int32_t *seq_lens, int32_t *block_table, int64_t table_stride, int64_t max_pages,        \
+      float *k_pages, float *v_pages, int64_t n, int64_t ring, int64_t d, int64_t dv, int64_t page_size,             \
+      const int32_t *spare, int64_t *left
+#define DMC_STEP                                                                                                      \
+  {rows, alpha, omega, k, sk_outer, sk_inner, v, sv_outer, sv_inner, inner, state, s_row, s_ring, open_tokens,       \
+   seq_lens, block_table, table_stride, max_pages, k_pages, v_pages, n, ring, d, dv, page_size}
+
+/* The step of each row (struct dmc_step), the appends' pages taken first (take_pages: its return value);
+ * lens [n] int32: the rows' new lengths. */
+int dmc_update_f32(DMC_STEP_ARGS, int32_t *lens) {
+  const struct dmc_step s = DMC_STEP;
+  const int failed = take_pages(&s, spare, left);
+  if (failed) return failed;
+  for (int64_t r = 0; r < n; ++r) lens[r] = update_row(&s, r);
+  return 0;
+}
+
+/* dmc_update_f32, then each row's attention (as paged_decode_f32) of q [n, groups, d] over its entries, the new
+ * one included: out [n, groups, dv]. One call per layer of a decode step; rows spread over the threads (a row's
+ * step touches only its own state, length and entry). */
+int dmc_decode_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, float *out, int num_threads) {
+  const struct dmc_step s = DMC_STEP;
+  const int failed = take_pages(&s, spare, left);
+  if (failed) return failed;
+  const struct attention a = {q, k_pages, v_pages, block_table, rows, table_stride, groups, page_size, scale, out,
+                              NULL, NULL, 0, 0};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (int64_t r = 0; r < n; ++r) attend_row_sized(&a, r, update_row(&s, r), d, dv, NULL);
+  return 0;
 }

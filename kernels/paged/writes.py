@@ -2,6 +2,7 @@
 
 - :func:`paged_write_torch`: store entries at given positions of given rows (append, or an eviction
   policy's in-place overwrite of a victim).
+- :func:`take_spare_pages_torch`: the pages of a DMC step's appends, taken from the caller's spare pages.
 - :func:`dmc_cache_update_torch`: one DMC decode step per row (Algorithm 1): merge the new token into
   the open slot's running state or start a new one (the row's length counted), then store the open slot's
   normalised state ``u / z`` in its entry of the page.
@@ -56,6 +57,25 @@ def _open_slot_step(state, tokens, append, omega, kv1):
         total = state.scatter_(1, (tokens % ring).view(n, 1, 1).expand(n, 1, width), new[:, None]).sum(1)
     tokens.add_(1)
     return total[:, :-1] / total[:, -1:]
+
+
+def take_spare_pages_torch(block_table, seq_lens, rows, alpha, page_size: int, spare, spare_left) -> None:
+    """A DMC step's appending rows (``alpha == 0``) whose last page is full get the page their new entry starts:
+    ``spare[spare_left - 1]``, then the one before, in row order, ``spare_left`` counting them down
+    (:func:`kernels.paged.dmc_cache_update`). Raises ValueError, changing nothing, when fewer are left than needed or
+    a row would pass its block-table row's pages."""
+    lens = seq_lens[rows].long()
+    needs = (alpha.reshape(-1) == 0) & (lens % page_size == 0)
+    column = lens[needs] // page_size
+    needed, left = column.numel(), int(spare_left)
+    if needed and int(column.max()) >= block_table.shape[1]:
+        raise ValueError(f"a row would hold more entries than its block-table row's {block_table.shape[1]} pages")
+    if needed > left:
+        raise ValueError(f"the step's appends need more pages than the {left} spare ones left; lend more "
+                         f"(PagePool.lend_pages)")
+    pages = spare[left - needed: left].flip(0).to(device=block_table.device, dtype=block_table.dtype)
+    block_table[rows[needs], column] = pages
+    spare_left -= needed
 
 
 def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,

@@ -5,6 +5,7 @@ updates write."""
 import pytest
 import torch
 
+from dmc_train.errors import OutOfPages
 from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import DMCCache, FullCache
 from dmc_train.inference.caches.base import KVCache
@@ -215,3 +216,27 @@ def test_dmc_decode_step_planned_once_equals_the_per_layer_path(make_model, vari
     for s in list(stepped.rows):
         stepped.release(s)
     assert sorted(stepped.pool.free_pages) == list(range(stepped.pool.num_pages))
+
+
+def test_a_dmc_step_that_may_not_find_its_pages_changes_nothing(make_model):
+    """With fewer free pages than rows whose last page is full (the most a step's appends can take), the DMC
+    cache's decode step raises OutOfPages before any layer runs: lengths, pages, block table and open-slot state as
+    before; with enough free pages the same step runs."""
+    model = make_model("fixed_pooling")  # every 3rd token appends: 46 tokens fill each row's first page
+    cache = new_cache(model, num_pages=2 * SHAPE.num_layers * SHAPE.num_kv_heads)
+    prompt = torch.randint(0, SHAPE.vocab_size, (46,), generator=torch.Generator().manual_seed(0))
+    cache.add(0)
+    model.prefill(cache, 0, prompt)
+    pool = cache.pool
+    full = SHAPE.num_layers * SHAPE.num_kv_heads
+    assert (pool.seq_lens[cache.rows[0]] == pool.page_size).all()
+    del pool.free_pages[: len(pool.free_pages) - (full - 1)]  # one page fewer than the step may take
+    before = [t.clone() for t in (pool.seq_lens, pool.block_table, pool.k_pages, cache.open_state, cache.open_tokens)]
+    free = list(pool.free_pages)
+    with pytest.raises(OutOfPages, match=f"a DMC decode step may take {full}, {full - 1} free"):
+        model.decode(cache, [0], prompt[:1], torch.tensor([46]))
+    after = (pool.seq_lens, pool.block_table, pool.k_pages, cache.open_state, cache.open_tokens)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and pool.free_pages == free
+    pool.free_pages.insert(0, max(free) + 1)
+    model.decode(cache, [0], prompt[:1], torch.tensor([46]))
+    assert not torch.equal(cache.open_tokens, before[4])

@@ -57,22 +57,6 @@ def test_rows_are_limited_and_cannot_outgrow_the_model():
         p.grow(rows[:1], torch.tensor([33]))
 
 
-def test_growing_pages_leaves_the_lengths_to_the_caller():
-    """grow_pages takes the pages grow would take and sets no length (DMC's update op counts its appends itself);
-    the rows then grow into them by their lengths alone, and the same checks refuse what grow refuses."""
-    p, q = pool(), pool()
-    rows = p.new_rows(2)
-    q.new_rows(2)
-    p.grow(rows, torch.tensor([16, 5]))
-    q.grow(rows, torch.tensor([16, 5]))
-    p.grow_pages(rows, torch.tensor([17, 6]))
-    assert p.seq_lens[rows].tolist() == [16, 5] and p.used_pages == 3
-    q.grow(rows, torch.tensor([17, 6]))
-    assert torch.equal(p.block_table, q.block_table) and p.peak_pages == q.peak_pages == 3
-    with pytest.raises(InferenceError, match="would hold 65 entries, more than the model's 64 positions"):
-        p.grow_pages(rows[:1], torch.tensor([65]))
-
-
 def test_a_byte_budget_becomes_whole_pages_in_the_pool():
     fp32 = PagePool.bytes_per_page(16, 8, torch.float32)
     assert fp32 == 16 * (8 + 8) * 4 and PagePool.bytes_per_page(16, 8, torch.bfloat16, value_dim=4) == 16 * 12 * 2
@@ -85,33 +69,23 @@ def test_a_byte_budget_becomes_whole_pages_in_the_pool():
         PagePool.for_budget(1500, 16, 8, 4, 64, rows_per_seq=2)
 
 
-def test_a_reserved_next_page_is_returned_unless_the_row_grew_into_it():
-    """reserve_next gives a page only to rows whose last page is full; return_unused returns the ones left
-    unused, and the peak counts only pages that held entries."""
+def test_lent_pages_leave_the_free_list_only_when_taken():
+    """lend_pages lends the free list's last pages (no change to it); settle takes off the ones an op took (the last
+    ``m - left``, which pop() would have given), and the peak counts only them."""
     p = pool(num_pages=8, rows=3)
     rows = p.new_rows(3)
-    p.grow(rows, torch.tensor([16, 5, 32]))  # full, not full, full: 1 + 1 + 2 pages
-    reserved = p.reserve_next(rows)
-    assert p.used_pages == 6 and len(p.free_pages) == 2
-    assert reserved[0].tolist() == rows[[0, 2]].tolist() and reserved[1].tolist() == [1, 2]
-    assert (p.block_table[rows[[0, 2]], torch.tensor([1, 2])] >= 0).all() and p.block_table[rows[1], 1] == -1
-    p.seq_lens[rows[0]] = 17  # row 0 grows into its reserved page (by its length alone), row 2 does not
-    p.return_unused(reserved)
+    p.grow(rows, torch.tensor([16, 5, 32]))  # 1 + 1 + 2 pages
+    free = list(p.free_pages)
+    loan = p.lend_pages(3)
+    assert loan.pages.tolist() == free[-3:] and int(loan.left) == 3 and p.free_pages == free
+    p.block_table[rows[0], 1] = loan.pages[int(loan.left) - 1]  # an op takes one: the page pop() would give
+    loan.left.sub_(1)
+    p.seq_lens[rows[0]] = 17
+    p.settle(loan)
+    assert p.free_pages == free[:-1] and p.block_table[rows[0], 1] == free[-1]
     assert p.used_pages == 5 == p.pages_of(rows) and p.peak_pages == 5
-    assert p.block_table[rows[2], 2] == -1
+    assert len(p.lend_pages(10).pages) == 3  # at most the free pages
+    p.settle(p.lend_pages(2))  # nothing taken: nothing changes
+    assert p.free_pages == free[:-1]
     p.free_rows(rows)
     assert sorted(p.free_pages) == list(range(8))
-
-
-def test_reserving_changes_nothing_when_pages_or_positions_run_out():
-    p = pool(num_pages=2, rows=2, entries=32)
-    rows = p.new_rows(2)
-    p.grow(rows, torch.tensor([16, 16]))
-    before = (p.block_table.clone(), list(p.free_pages))
-    with pytest.raises(OutOfPages, match="out of KV pages: 2 needed, 0 free of 2"):
-        p.reserve_next(rows)
-    assert torch.equal(p.block_table, before[0]) and p.free_pages == before[1]
-    big = pool(num_pages=4, rows=1, entries=32)
-    row = big.new_rows(1)
-    big.grow(row, torch.tensor([32]))  # at the model's positions: no next page to reserve
-    assert big.reserve_next(row) is None and big.used_pages == 2

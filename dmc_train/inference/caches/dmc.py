@@ -14,10 +14,11 @@ Decode (one token per sequence): hard decision ``alpha = 1`` merges into the ope
 it and appends a new one. **RoPE order** ``pre`` (the authors' order): the keys arrive raw, the open
 slot's state stays raw and its page entry is its rotation at the current position; a closed slot
 keeps the rotation at its segment's last token. **Once per decode step** (:meth:`DMCCache.begin_decode`): the
-pages an append may take are reserved and every layer's rows and block tables taken, so a layer takes no page: it
-is the update in the cache's own state (:func:`kernels.paged.dmc_cache_update`, which also counts the appends in
-the rows' lengths) and the attention over each row's own entries. :meth:`DMCCache.end_decode` returns the unused
-pages (same results as each layer alone).
+pool lends the step the pages its appends may take (:meth:`PagePool.lend_pages`) and every layer's rows are
+taken; a layer is then one call, :func:`kernels.paged.dmc_decode`: the update in the cache's own state (an append
+that starts a page takes a lent one; the appends counted in the rows' lengths) and the attention over each row's
+own entries. :meth:`DMCCache.end_decode` takes the pages the appends took off the free list (same results as each
+layer alone).
 **Parallel prefill**: the decisions and the accumulation for the whole prompt in one pass
 (:func:`teacher_forced_dmc`, the chunked scan of ``kernels.dmc``), then only the closed slots and the open
 slot's state are written — never token by token.
@@ -29,11 +30,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.inference.caches.base import KVCache, TokenInfo
-from dmc_train.inference.pool import PagePool
+from dmc_train.inference.pool import PageLoan, PagePool
 from dmc_train.models.dmc_settings import DMCSettings
 from kernels.dmc import dmc_attention, partial_accumulation
-from kernels.paged import dmc_cache_update
+from kernels.paged import dmc_cache_update, dmc_decode
 
 
 def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo, settings: DMCSettings,
@@ -54,14 +56,11 @@ def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: 
 
 class _DecodeStep(NamedTuple):
     """What :meth:`DMCCache.begin_decode` prepares for every layer of a decode step: the step's ``seq_ids``, the
-    ``reservation`` of :meth:`PagePool.reserve_next`, the rows ``[L, R]`` (``R = B H_kv``, sequence-major) and
-    their block tables ``[L, R, pages]`` (final once the pages are reserved: a row grows into its reserved page by
-    its length alone)."""
+    rows ``[L, R]`` (``R = B H_kv``, sequence-major) and the pages lent to their appends."""
 
     seq_ids: tuple
-    reservation: tuple
     rows: torch.Tensor
-    tables: torch.Tensor
+    loan: PageLoan
 
 
 class DMCCache(KVCache):
@@ -71,6 +70,7 @@ class DMCCache(KVCache):
     needs_decisions = True
     prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
     _step: Optional[_DecodeStep] = None  # the decode step begun
+    _rows = None  # (batch rows, rows [layers, B * H_kv]) while the batch is unchanged
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)
@@ -120,41 +120,63 @@ class DMCCache(KVCache):
         self.open_tokens[rows] = length
 
     def begin_decode(self, seq_ids):
-        """Once per step for every layer: each row whose last page is full gets the page an append would take
-        (:meth:`PagePool.reserve_next`; :meth:`end_decode` returns the unused ones), and every layer's rows and
-        block tables are taken. A layer's :meth:`decode` then updates the cache's own state and attends: two kernel
-        calls when the kernels read the block table (the compiled CPU kernels, Triton)."""
-        rows = self.batch_rows(seq_ids).transpose(0, 1).reshape(self.num_layers, -1)  # [L, B * H_kv]
-        reserved = self.pool.reserve_next(rows.flatten())
-        if reserved is not None:  # None: a row at the model's positions, each layer grows its own rows
-            self._step = _DecodeStep(tuple(seq_ids), reserved, rows, self.pool.block_table[rows])
+        """Once per step for every layer: the pages the step's appends may take are lent (:meth:`_lend`) and every
+        layer's rows taken. A layer's :meth:`decode` is then one kernel call where one runs (the compiled CPU
+        kernel)."""
+        if self._step is not None:
+            raise InferenceError("a DMC decode step began before the previous one ended (end_decode)")
+        batch = self.batch_rows(seq_ids)
+        if self._rows is None or self._rows[0] is not batch:
+            self._rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1))  # [L, B * H_kv]
+        rows = self._rows[1]
+        self._step = _DecodeStep(tuple(seq_ids), rows, self._lend(rows))
 
     def end_decode(self):
-        """Return the reserved pages no row appended to."""
+        """Take the pages the step's appends took off the free list."""
         step, self._step = self._step, None
         if step is not None:
-            self.pool.return_unused(step.reservation)
+            self.pool.settle(step.loan)
+
+    def _lend(self, rows: torch.Tensor) -> PageLoan:
+        """The pages for the appends of ``rows`` (any shape): one per row, or all the free ones when fewer, then
+        with the check (changing nothing) that they cover every row whose last page is full (the most a step can
+        take)."""
+        loan = self.pool.lend_pages(rows.numel())
+        if len(loan.pages) < rows.numel():
+            needed = int((self.pool.seq_lens[rows] % self.pool.page_size == 0).sum())
+            if needed > len(loan.pages):
+                raise OutOfPages(f"out of KV pages: a DMC decode step may take {needed}, {len(loan.pages)} free of "
+                                 f"{self.pool.num_pages}")
+        return loan
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
-        """One token per sequence: Algorithm 1 on each row's open slot (:func:`kernels.paged.dmc_cache_update`,
-        which grows the appending rows by one entry and returns the rows' lengths), then the attention over
-        them. In a step begun by :meth:`begin_decode` the pages an append takes are reserved; otherwise the layer
-        takes them first (:meth:`PagePool.grow_pages`): the same results."""
+        """One token per sequence: Algorithm 1 on each row's open slot, which grows the appending rows by one entry,
+        then the attention over them (:func:`kernels.paged.dmc_decode`; ``rope_order=pre``: the update, the open
+        slot's entry rotated, then the attention). Outside a step begun by :meth:`begin_decode` the layer lends
+        its own pages: the same results."""
         step = self._step
-        if step is not None and step.seq_ids == tuple(seq_ids):
-            rows, table = step.rows[layer], step.tables[layer]
-        else:
+        if step is None:
             rows = self.layer_rows(layer, seq_ids).flatten()
-            self.pool.grow_pages(rows, self.pool.seq_lens[rows] + (info.alpha.reshape(-1) == 0))
-            table = self.pool.block_table[rows]
-        lens = dmc_cache_update(self.pool.k_pages, self.pool.v_pages, self.pool.block_table, self.pool.seq_lens, rows,
-                                info.alpha, info.omega, k, v, self.open_state, self.open_tokens)
-        if info.rotate is not None:  # pre: the open slot's raw average, rotated at the current position
-            z = self.open_w[rows].sum(-1, keepdim=True)
-            positions = info.positions.repeat_interleave(self.num_kv_heads)
-            self.pool.write(rows, lens - 1, info.rotate(self.open_k[rows].sum(1) / z, positions),
-                            self.open_v[rows].sum(1) / z)
+            loan = self._lend(rows)
+            try:
+                return self._decode_rows(rows, loan, q, k, v, info)
+            finally:
+                self.pool.settle(loan)
+        if step.seq_ids != tuple(seq_ids):
+            raise InferenceError(f"decode of sequences {list(seq_ids)} inside the step of {list(step.seq_ids)}")
+        return self._decode_rows(step.rows[layer], step.loan, q, k, v, info)
+
+    def _decode_rows(self, rows, loan: PageLoan, q, k, v, info: TokenInfo) -> torch.Tensor:
+        """:meth:`decode` of the layer's ``rows [B * H_kv]`` with the pages of ``loan``."""
         b, h, d = q.shape
-        plan = self.pool.plan_table(table, lens)
-        out = self.pool.attend_planned(plan, q.view(len(rows), h // self.num_kv_heads, d), self.scale)
-        return out.view(b, h, -1)
+        q = q.view(len(rows), h // self.num_kv_heads, d)
+        pool = self.pool
+        step = (pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens, rows, info.alpha, info.omega, k, v,
+                self.open_state, self.open_tokens)
+        if info.rotate is None:
+            return dmc_decode(*step, q, self.scale, *loan).view(b, h, -1)
+        lens = dmc_cache_update(*step, *loan)  # pre: the open slot's raw average, rotated at the current position
+        z = self.open_w[rows].sum(-1, keepdim=True)
+        positions = info.positions.repeat_interleave(self.num_kv_heads)
+        pool.write(rows, lens - 1, info.rotate(self.open_k[rows].sum(1) / z, positions), self.open_v[rows].sum(1) / z)
+        return pool.attend(rows, q, self.scale).view(b, h, -1)

@@ -8,6 +8,7 @@ from kernels.backend import set_backend
 from kernels.paged import (
     cpu,
     dmc_cache_update,
+    dmc_decode,
     paged_attention,
     paged_attention_planned,
     paged_decode_plan,
@@ -162,3 +163,82 @@ def test_the_dmc_update_equals_the_pytorch_path_bit_for_bit(ring, pattern):
             set_backend("auto")
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def _dmc_pool(ring: int, d: int, dv: int, page_size: int):
+    """A pool of 12 pages and 4 empty rows of up to 3 pages (the table -1); the open-slot state; every page spare
+    (int32) and their count."""
+    table = torch.full((4, 3), -1, dtype=torch.int32)
+    return {"k_pages": torch.zeros(12, page_size, d), "v_pages": torch.zeros(12, page_size, dv),
+            "block_table": table, "seq_lens": torch.zeros(4, dtype=torch.int32),
+            "open_state": torch.zeros(4, ring, d + dv + 1), "open_tokens": torch.zeros(4, dtype=torch.long),
+            "spare": torch.arange(12, dtype=torch.int32), "spare_left": torch.tensor([12])}
+
+
+@pytest.mark.parametrize("ring", [1, 3])
+def test_a_dmc_decode_step_takes_spare_pages_and_attends_as_the_pytorch_path(ring):
+    """12 decode steps of 4 rows (2 sequences x 2 KV heads, 3 query heads each) through dmc_decode: the compiled
+    CPU kernel (update and attention in one call) and the PyTorch path (pages taken in tensor ops, the update op,
+    paged attention) give the same outputs (within 1e-6), and bit for bit the same pages, block table (an append
+    that starts a page takes ``spare[left - 1]``), lengths, state and spare count; the outputs equal the loop
+    reference over the rows' entries."""
+    d, dv, page_size = 8, 6, 4
+    results = []
+    for use in ("torch", "auto"):
+        set_backend(use)
+        try:
+            g = torch.Generator().manual_seed(ring)
+            c = _dmc_pool(ring, d, dv, page_size)
+            rows, outs = torch.tensor([2, 0, 3, 1]), []
+            for t in range(12):
+                append = (torch.rand(4, generator=g) < 0.5) | (t == 0)
+                heads = torch.randn(2, 2, 2 * d + dv, generator=g)
+                q = torch.randn(4, 3, d, generator=g)
+                out = dmc_decode(c["k_pages"], c["v_pages"], c["block_table"], c["seq_lens"], rows,
+                                 (~append).float().view(2, 2), torch.rand(2, 2, generator=g) + 0.1,
+                                 heads[..., d:2 * d], heads[..., 2 * d:], c["open_state"], c["open_tokens"], q,
+                                 0.3, c["spare"], c["spare_left"])
+                want = reference_paged_attention(q, c["k_pages"], c["v_pages"], c["block_table"][rows],
+                                                 c["seq_lens"][rows], 0.3)
+                torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+                outs.append(out)
+            assert int(c["spare_left"]) < 8  # rows took second pages
+            results.append((torch.stack(outs), c))
+        finally:
+            set_backend("auto")
+    (out_torch, a), (out_cpu, b) = results
+    torch.testing.assert_close(out_cpu, out_torch, rtol=1e-6, atol=1e-6)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    taken = 12 - int(a["spare_left"])
+    assert sorted(a["block_table"][a["block_table"] >= 0].tolist()) == list(range(12 - taken, 12))
+    assert a["block_table"][2, 0] == 11  # the first append (row 2) takes spare[left - 1]
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_dmc_step_without_the_pages_it_needs_changes_nothing(backend):
+    """Too few spare pages for the appends that start a page, or a row past its block-table row: a one-line
+    ValueError, and the pages, table, lengths, state and spare count are as before."""
+    d, dv, page_size = 8, 6, 4
+    set_backend(backend)
+    try:
+        c = _dmc_pool(1, d, dv, page_size)
+        c["block_table"][:, 0] = torch.arange(4, dtype=torch.int32)
+        c["seq_lens"][:] = page_size  # every row's first page full: an append takes a page
+        c["spare"], c["spare_left"][0] = c["spare"][4:], 1
+        rows, k, v = torch.arange(4), torch.randn(4, d), torch.randn(4, dv)
+        before = {name: t.clone() for name, t in c.items()}
+        args = (c["k_pages"], c["v_pages"], c["block_table"], c["seq_lens"], rows)
+        state = (k, v, c["open_state"], c["open_tokens"])
+        with pytest.raises(ValueError, match="need more pages than the 1 spare ones left"):
+            dmc_decode(*args, torch.zeros(4), torch.ones(4), *state, torch.randn(4, 1, d), 0.5, c["spare"],
+                       c["spare_left"])
+        c["seq_lens"][:] = 3 * page_size  # every column of the table used
+        before["seq_lens"] = c["seq_lens"].clone()
+        with pytest.raises(ValueError, match="more entries than its block-table row's 3 pages"):
+            dmc_cache_update(*args, torch.tensor([1., 1., 0., 1.]), torch.ones(4), *state, c["spare"],
+                             c["spare_left"])
+        for name, t in c.items():
+            assert torch.equal(t, before[name]), name
+    finally:
+        set_backend("auto")
