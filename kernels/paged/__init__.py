@@ -44,7 +44,8 @@ kernel for fp32 decode attention and PyTorch for the rest):
   into its page entry, and the rows' new lengths returned for the attention. CPU, fp32 pages: ``cpu.py`` (one
   call); Triton: ``triton_kernels.py``; PyTorch: ``writes.py``.
 - :func:`dmc_decode`: a layer's DMC decode step, :func:`dmc_cache_update` then :func:`paged_attention` over the
-  rows; one call on CPU (``cpu.py``).
+  rows; :func:`paged_append_decode`: the same for a cache that keeps every token (each row appends its new entry,
+  pages taken from the spare ones). One call each on CPU (``cpu.py``).
 
 References (``reference.py``, re-exported here): :func:`reference_paged_attention` (loop over rows and
 tokens), :func:`reference_attention_column_sums` (loop over queries and heads).
@@ -66,9 +67,9 @@ from .column_sums import attention_column_sums_torch
 from .cpu import (
     cpu_kernel_fits,
     cpu_kernel_runs,
+    decode_step_cpu,
+    decode_step_fits,
     dmc_cache_update_cpu,
-    dmc_decode_cpu,
-    dmc_update_fits,
     paged_attention_cpu,
 )
 from .flash import flash_fits, paged_attention_flash
@@ -76,9 +77,9 @@ from .reference import reference_attention_column_sums, reference_paged_attentio
 from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_decode
 from .writes import dmc_cache_update_torch, paged_write_torch, take_spare_pages_torch, write_slots_torch
 
-__all__ = ["DecodePlan", "attention_column_sums", "dmc_cache_update", "dmc_decode", "paged_attention",
-           "paged_attention_planned", "paged_decode_plan", "paged_write", "reads_block_table",
-           "reference_attention_column_sums", "reference_paged_attention"]
+__all__ = ["DecodePlan", "appends_in_attention_call", "attention_column_sums", "dmc_cache_update", "dmc_decode",
+           "paged_append_decode", "paged_attention", "paged_attention_planned", "paged_decode_plan", "paged_write",
+           "reads_block_table", "reference_attention_column_sums", "reference_paged_attention"]
 
 
 def _impl(name: str, device: torch.device) -> Callable:
@@ -96,6 +97,12 @@ def reads_block_table(device: torch.device, dtype: torch.dtype) -> bool:
     pages through the block table itself (Triton on CUDA, the compiled CPU kernel): a :class:`DecodePlan` then
     keeps only the table and lengths, and no caller needs to choose pages or groups."""
     return use_triton(device) or (get_backend() == "auto" and cpu_kernel_runs(device, dtype))
+
+
+def appends_in_attention_call(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when a decode step's update and attention over pages of ``dtype`` on ``device`` run as one kernel call
+    (:func:`dmc_decode`, :func:`paged_append_decode`: the compiled CPU kernel, fp32)."""
+    return get_backend() == "auto" and cpu_kernel_runs(device, dtype)
 
 
 def paged_attention(
@@ -268,7 +275,7 @@ def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
     in the kernel's dtype and layout are used as they are (no conversion call).
     """
     _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
-    if get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_state):
+    if get_backend() == "auto" and decode_step_fits(k_pages, block_table, seq_lens, open_state):
         return dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
                                     open_tokens, spare, spare_left)
     if spare is not None:
@@ -287,13 +294,35 @@ def dmc_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.
     _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
     if q.dim() != 3 or q.shape[0] != rows.shape[0]:
         raise ValueError(f"q must be [N, G, d] with N = {rows.shape[0]} rows, got {tuple(q.shape)}")
-    if (get_backend() == "auto" and dmc_update_fits(k_pages, block_table, seq_lens, open_state)
+    if (get_backend() == "auto" and decode_step_fits(k_pages, block_table, seq_lens, open_state)
             and cpu_kernel_fits(q, k_pages, v_pages)):
-        return dmc_decode_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                              open_tokens, q, float(scale), spare, spare_left)
+        return decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, float(scale), spare, spare_left,
+                               alpha, omega, open_state, open_tokens)
     lens = dmc_cache_update(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens,
                             spare, spare_left)
     return paged_attention(q, k_pages, v_pages, block_table[rows], lens, scale, check_values=False)
+
+
+def paged_append_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                        scale: float, spare: torch.Tensor, spare_left: torch.Tensor) -> torch.Tensor:
+    """A layer's decode step of a cache that keeps every token: each of ``rows [N]`` (distinct) appends its new
+    entry ``k [N, d]`` / ``v [N, d_v]`` (or ``[B, N / B, ...]``, e.g. strided views of the model's heads) at
+    ``seq_lens[row]``, which grows by one (a row whose last page is full first takes ``spare[spare_left - 1]``, as
+    :func:`dmc_cache_update`), then :func:`paged_attention` of ``q [N, G, d]`` over the rows -> ``[N, G, d_v]``. One
+    kernel call on CPU with fp32 pages; elsewhere tensor ops and the attention op. Raises ValueError, changing
+    nothing, when the spare pages are too few or a row would pass its block-table row."""
+    if q.dim() != 3 or not (q.shape[0] == rows.shape[0] == k.shape[:-1].numel() == v.shape[:-1].numel()):
+        raise ValueError(f"q must be [N, G, d] and k, v hold N entries for the N = {rows.shape[0]} rows, got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if get_backend() == "auto" and decode_step_fits(k_pages, block_table, seq_lens) and cpu_kernel_fits(q, k_pages,
+                                                                                                       v_pages):
+        return decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, float(scale), spare, spare_left)
+    take_spare_pages_torch(block_table, seq_lens, rows, None, k_pages.shape[1], spare, spare_left)
+    lens = seq_lens[rows]
+    paged_write(k_pages, v_pages, block_table, rows, lens, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+    seq_lens[rows] = lens + 1
+    return paged_attention(q, k_pages, v_pages, block_table[rows], lens + 1, scale, check_values=False)
 
 
 def _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens) -> None:

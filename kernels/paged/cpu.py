@@ -8,8 +8,9 @@ heads sharing each key and value loaded), rows spread over the OpenMP threads (a
 ``torch.get_num_threads()``). Same contract and outputs as
 :func:`kernels.paged.paged_attention` (``scores`` "probs" / "logits", ``return_lse``), fp32 only. Beside it,
 DMC's decode-step update (:func:`kernels.paged.dmc_cache_update`: Algorithm 1 on each row's open slot, in the
-cache's own state, and the slot's entry written) in one call instead of a dozen tensor ops, and the update and the
-attention of a layer's decode step in one call (:func:`kernels.paged.dmc_decode`).
+cache's own state, and the slot's entry written) in one call instead of a dozen tensor ops, and a layer's decode
+step, the update (DMC's, or a plain append) and the attention, in one call (:func:`kernels.paged.dmc_decode`,
+:func:`kernels.paged.paged_append_decode`).
 
 The shared library is compiled once per machine on first use (:mod:`kernels.compiled`: cached in
 ``$DMC_KERNELS_CACHE``, default ``~/.cache/dmc_train/kernels``) and loaded with ctypes. Without a C compiler (or
@@ -48,8 +49,8 @@ def library() -> Optional[ctypes.CDLL]:
     dmc_step = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr,
                 i64, i64, i64, i64, i64, ptr, ptr]  # DMC_STEP_ARGS
     lib.dmc_update_f32.argtypes = dmc_step + [ptr]
-    lib.dmc_decode_f32.argtypes = dmc_step + [ptr, i64, ctypes.c_float, ptr, i32]
-    lib.dmc_update_f32.restype = lib.dmc_decode_f32.restype = ctypes.c_int
+    lib.decode_step_f32.argtypes = dmc_step + [ptr, i64, ctypes.c_float, ptr, i32]
+    lib.dmc_update_f32.restype = lib.decode_step_f32.restype = ctypes.c_int
     return lib
 
 
@@ -104,11 +105,12 @@ def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float
     return pack_outputs(out, s, lse)
 
 
-def dmc_update_fits(k_pages, block_table, seq_lens, open_state) -> bool:
-    """True when this kernel takes :func:`kernels.paged.dmc_cache_update`'s inputs: fp32 pages on CPU, the pool's
-    int32 block table and lengths, and the state's last dim contiguous."""
+def decode_step_fits(k_pages, block_table, seq_lens, open_state=None) -> bool:
+    """True when this kernel takes :func:`kernels.paged.dmc_cache_update`'s inputs (or, without ``open_state``,
+    :func:`kernels.paged.paged_append_decode`'s): fp32 pages on CPU, the pool's int32 block table and lengths, and
+    the state's last dim contiguous."""
     return (block_table.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-            and block_table.stride(-1) == 1 and open_state.stride(-1) == 1
+            and block_table.stride(-1) == 1 and (open_state is None or open_state.stride(-1) == 1)
             and cpu_kernel_runs(k_pages.device, k_pages.dtype))
 
 
@@ -125,29 +127,31 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (1, t.stride(0), 0) if t.dim() == 2 else (t.shape[1], t.stride(0), t.stride(1))
 
 
-def _dmc_step(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens, spare,
-              spare_left) -> tuple[tuple, tuple]:
-    """The arguments of the kernel's DMC step (``DMC_STEP_ARGS`` in cpu_kernel.c) and the tensors they point into
-    (kept alive by the caller during the call). Inputs that already have the kernel's dtype and layout are passed
-    as they are."""
+def _step_args(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens, spare,
+               spare_left) -> tuple[tuple, tuple]:
+    """The arguments of the kernel's decode-step update (``DMC_STEP_ARGS`` in cpu_kernel.c; ``alpha``, ``omega``,
+    ``open_state``, ``open_tokens`` None: a plain append) and the tensors they point into (kept alive by the caller
+    during the call). Inputs that already have the kernel's dtype and layout are passed as they are."""
     if rows.dtype != torch.int64 or not rows.is_contiguous():
         rows = rows.to(torch.int64).contiguous()
-    alpha, omega = (_f32(t).contiguous() for t in (alpha, omega))  # N values (contiguous(): no call when it is)
+    if alpha is not None:
+        alpha, omega = (_f32(t).contiguous() for t in (alpha, omega))  # N values (contiguous(): no call when it is)
     k, v = _f32(k), _f32(v)
     if spare is not None and (spare.dtype != torch.int32 or not spare.is_contiguous() or spare_left is None
                               or spare_left.dtype != torch.int64):
         raise ValueError("spare pages must be a contiguous int32 tensor with an int64 count spare_left")
     (inner, sk_outer, sk_inner), (_, sv_outer, sv_inner) = _row_strides(k), _row_strides(v)
-    args = (rows.data_ptr(), alpha.data_ptr(), omega.data_ptr(), k.data_ptr(), sk_outer, sk_inner, v.data_ptr(),
-            sv_outer, sv_inner, inner, open_state.data_ptr(), open_state.stride(0), open_state.stride(1),
-            open_tokens.data_ptr(), seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-            block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), rows.shape[0], open_state.shape[1],
-            k.shape[-1], v.shape[-1], k_pages.shape[1], _ptr(spare), _ptr(spare_left))
+    state = (None, 0, 0, 1) if open_state is None else (open_state.data_ptr(), *open_state.stride()[:2],
+                                                        open_state.shape[1])
+    args = (rows.data_ptr(), _ptr(alpha), _ptr(omega), k.data_ptr(), sk_outer, sk_inner, v.data_ptr(), sv_outer,
+            sv_inner, inner, state[0], state[1], state[2], _ptr(open_tokens), seq_lens.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(),
+            rows.shape[0], state[3], k.shape[-1], v.shape[-1], k_pages.shape[1], _ptr(spare), _ptr(spare_left))
     return args, (rows, alpha, omega, k, v)
 
 
 def _check_pages_taken(failed: int, spare_left: Optional[torch.Tensor], max_pages: int) -> None:
-    """The kernel's DMC step changed nothing when it failed: say why (:func:`kernels.paged.dmc_cache_update`)."""
+    """The kernel's decode-step update changed nothing when it failed: say why."""
     if failed == 1:
         raise ValueError(f"the step's appends need more pages than the {int(spare_left)} spare ones left; lend "
                          f"more (PagePool.lend_pages)")
@@ -157,23 +161,25 @@ def _check_pages_taken(failed: int, spare_left: Optional[torch.Tensor], max_page
 
 def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
                          open_tokens, spare=None, spare_left=None) -> torch.Tensor:
-    """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`dmc_update_fits`)."""
-    args, _alive = _dmc_step(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                             open_tokens, spare, spare_left)
+    """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`decode_step_fits`)."""
+    args, _alive = _step_args(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                              open_tokens, spare, spare_left)
     lens = torch.empty(rows.shape[0], dtype=torch.int32)
     _check_pages_taken(library().dmc_update_f32(*args, lens.data_ptr()), spare_left, block_table.shape[1])
     return lens
 
 
-def dmc_decode_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens,
-                   q, scale: float, spare=None, spare_left=None) -> torch.Tensor:
-    """:func:`kernels.paged.dmc_decode` by the compiled kernel: the step and the attention in one call (inputs as
-    there; :func:`dmc_update_fits` and :func:`cpu_kernel_fits`)."""
-    args, _alive = _dmc_step(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                             open_tokens, spare, spare_left)
+def decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, scale: float, spare=None,
+                    spare_left=None, alpha=None, omega=None, open_state=None, open_tokens=None) -> torch.Tensor:
+    """A layer's decode step in one call of the compiled kernel: each row's update (DMC's with ``alpha``, ``omega``
+    and the open-slot state, :func:`kernels.paged.dmc_decode`; without, a plain append,
+    :func:`kernels.paged.paged_append_decode`), then its attention (:func:`decode_step_fits` and
+    :func:`cpu_kernel_fits`)."""
+    args, _alive = _step_args(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
+                              open_tokens, spare, spare_left)
     n, groups, _ = q.shape
     q = q.contiguous()
     out = torch.empty(n, groups, v_pages.shape[-1])
-    failed = library().dmc_decode_f32(*args, q.data_ptr(), groups, scale, out.data_ptr(), torch.get_num_threads())
+    failed = library().decode_step_f32(*args, q.data_ptr(), groups, scale, out.data_ptr(), torch.get_num_threads())
     _check_pages_taken(failed, spare_left, block_table.shape[1])
     return out

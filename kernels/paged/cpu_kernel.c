@@ -130,7 +130,7 @@ INLINE void attend_block(const float *q, const float *k, const float *v, int64_t
 struct attention { /* paged_decode_f32's arguments */
   const float *q, *k_pages, *v_pages;
   const int32_t *block_table;
-  const int64_t *rows; /* row r's block-table row is rows[r] (dmc_decode_f32), or r when NULL */
+  const int64_t *rows; /* row r's block-table row is rows[r] (decode_step_f32), or r when NULL */
   int64_t table_stride, groups, page_size;
   float scale, *out, *lse, *scores;
   int64_t scores_width;
@@ -226,10 +226,11 @@ int paged_decode_f32(const float *q, float *k_pages, float *v_pages, const int32
   return failed;
 }
 
-/* DMC's decode step (kernels/paged/writes.py, dmc_cache_update_torch, is the same in tensor ops). The rows' inputs:
- * rows [n] int64; alpha [n] fp32, the hard decision (0 appends, anything else merges); omega [n] fp32; row r's new
- * key at k + (r / inner) * sk_outer + (r % inner) * sk_inner (d values: k [n, d] with inner 1, or [b, inner, d]),
- * its value likewise (dv values). The cache: ring slot j of pool row `row`'s open-slot state at state + row *
+/* A decode step's update of each row: DMC's (kernels/paged/writes.py, dmc_cache_update_torch, is the same in tensor
+ * ops), or, without a state (state, alpha, omega NULL), a plain append of the token (the full cache). The rows'
+ * inputs: rows [n] int64; alpha [n] fp32, the hard decision (0 appends, anything else merges); omega [n] fp32; row
+ * r's new key at k + (r / inner) * sk_outer + (r % inner) * sk_inner (d values: k [n, d] with inner 1, or [b, inner,
+ * d]), its value likewise (dv values). The cache: ring slot j of pool row `row`'s open-slot state at state + row *
  * s_row + j * s_ring, the omega-weighted key (d values), value (dv values), then their omega; open_tokens [rows]
  * int64; seq_lens [rows] int32, the lengths before the step; block_table [rows, table_stride] int32, max_pages
  * columns used at most. */
@@ -247,7 +248,7 @@ struct dmc_step {
   int64_t n, ring, d, dv, page_size;
 };
 
-/* The pages of the step's appends: a row whose new entry starts a page (alpha 0, its last page full) takes
+/* The pages of the step's appends: a row whose new entry starts a page (it appends, its last page full) takes
  * spare[--*left] as that page, in row order. spare NULL: the caller assigned them. Returns 0; 1 when fewer spare
  * pages are left than needed, 2 when a row would need more than max_pages pages: nothing changed then. */
 static int take_pages(const struct dmc_step *s, const int32_t *spare, int64_t *left) {
@@ -255,7 +256,7 @@ static int take_pages(const struct dmc_step *s, const int32_t *spare, int64_t *l
   int64_t needed = 0;
   for (int64_t r = 0; r < s->n; ++r) {
     const int64_t len = s->seq_lens[s->rows[r]];
-    if (s->alpha[r] == 0.f && len % s->page_size == 0) {
+    if ((!s->alpha || s->alpha[r] == 0.f) && len % s->page_size == 0) {
       if (len / s->page_size >= s->max_pages) return 2;
       ++needed;
     }
@@ -263,20 +264,28 @@ static int take_pages(const struct dmc_step *s, const int32_t *spare, int64_t *l
   if (needed > *left) return 1;
   for (int64_t r = 0; r < s->n; ++r) {
     const int64_t row = s->rows[r], len = s->seq_lens[row];
-    if (s->alpha[r] == 0.f && len % s->page_size == 0)
+    if ((!s->alpha || s->alpha[r] == 0.f) && len % s->page_size == 0)
       s->block_table[row * s->table_stride + len / s->page_size] = spare[--*left];
   }
   return 0;
 }
 
-/* Row r's step: an append adds one to seq_lens[row] (its page assigned), zeroes the state and the token count;
- * the weighted [k | v | 1] then adds to the sums (ring 1: exact) or replaces the ring slot tokens % ring (window);
- * the normalised state, sum u / sum z over the ring, goes into entry seq_lens[row] - 1 of the row's pages. Returns
- * the row's new length. */
+/* Row r's step (its page assigned). Without a state: the token becomes entry seq_lens[row], which grows by one.
+ * DMC: an append adds one to seq_lens[row], zeroes the state and the token count; the weighted [k | v | 1] then adds
+ * to the sums (ring 1: exact) or replaces the ring slot tokens % ring (window); the normalised state, sum u / sum z
+ * over the ring, goes into entry seq_lens[row] - 1 of the row's pages. Returns the row's new length. */
 INLINE int32_t update_row(const struct dmc_step *s, int64_t r) {
   const int64_t row = s->rows[r], ring = s->ring, s_ring = s->s_ring, d = s->d, dv = s->dv, width = d + dv + 1;
+  const int64_t page_size = s->page_size;
   const float *k_new = s->k + (r / s->inner) * s->sk_outer + (r % s->inner) * s->sk_inner;
   const float *v_new = s->v + (r / s->inner) * s->sv_outer + (r % s->inner) * s->sv_inner;
+  if (!s->state) {
+    const int64_t entry = s->seq_lens[row]++;
+    const int64_t at = (int64_t)s->block_table[row * s->table_stride + entry / page_size] * page_size + entry % page_size;
+    memcpy(s->k_pages + at * d, k_new, sizeof(float) * d);
+    memcpy(s->v_pages + at * dv, v_new, sizeof(float) * dv);
+    return entry + 1;
+  }
   float *u = s->state + row * s->s_row;
   if (s->alpha[r] == 0.f) {
     for (int64_t j = 0; j < ring; ++j) memset(u + j * s_ring, 0, sizeof(float) * width);
@@ -289,7 +298,7 @@ INLINE int32_t update_row(const struct dmc_step *s, int64_t r) {
   for (int64_t c = 0; c < dv; ++c) slot[d + c] = (ring == 1 ? slot[d + c] : 0.f) + v_new[c] * w;
   slot[d + dv] = (ring == 1 ? slot[d + dv] : 0.f) + w;
   s->open_tokens[row] += 1;
-  const int64_t entry = s->seq_lens[row] - 1, page_size = s->page_size;
+  const int64_t entry = s->seq_lens[row] - 1;
   const int64_t at = (int64_t)s->block_table[row * s->table_stride + entry / page_size] * page_size + entry % page_size;
   float *k_out = s->k_pages + at * d, *v_out = s->v_pages + at * dv, total = 0.f;
   for (int64_t j = 0; j < ring; ++j) total += u[j * s_ring + d + dv];
@@ -321,10 +330,10 @@ int dmc_update_f32(DMC_STEP_ARGS, int32_t *lens) {
   return 0;
 }
 
-/* dmc_update_f32, then each row's attention (as paged_decode_f32) of q [n, groups, d] over its entries, the new
- * one included: out [n, groups, dv]. One call per layer of a decode step; rows spread over the threads (a row's
- * step touches only its own state, length and entry). */
-int dmc_decode_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, float *out, int num_threads) {
+/* dmc_update_f32 (or, state NULL, every row's plain append), then each row's attention (as paged_decode_f32) of
+ * q [n, groups, d] over its entries, the new one included: out [n, groups, dv]. One call per layer of a decode
+ * step; rows spread over the threads (a row's step touches only its own state, length and entry). */
+int decode_step_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, float *out, int num_threads) {
   const struct dmc_step s = DMC_STEP;
   const int failed = take_pages(&s, spare, left);
   if (failed) return failed;

@@ -2,7 +2,7 @@
 
 - :func:`paged_write_torch`: store entries at given positions of given rows (append, or an eviction
   policy's in-place overwrite of a victim).
-- :func:`take_spare_pages_torch`: the pages of a DMC step's appends, taken from the caller's spare pages.
+- :func:`take_spare_pages_torch`: the pages of a decode step's appends, taken from the caller's spare pages.
 - :func:`dmc_cache_update_torch`: one DMC decode step per row (Algorithm 1): merge the new token into
   the open slot's running state or start a new one (the row's length counted), then store the open slot's
   normalised state ``u / z`` in its entry of the page.
@@ -60,12 +60,14 @@ def _open_slot_step(state, tokens, append, omega, kv1):
 
 
 def take_spare_pages_torch(block_table, seq_lens, rows, alpha, page_size: int, spare, spare_left) -> None:
-    """A DMC step's appending rows (``alpha == 0``) whose last page is full get the page their new entry starts:
-    ``spare[spare_left - 1]``, then the one before, in row order, ``spare_left`` counting them down
-    (:func:`kernels.paged.dmc_cache_update`). Raises ValueError, changing nothing, when fewer are left than needed or
-    a row would pass its block-table row's pages."""
+    """A decode step's appending rows (``alpha == 0``; every row when ``alpha`` is None) whose last page is full get
+    the page their new entry starts: ``spare[spare_left - 1]``, then the one before, in row order, ``spare_left``
+    counting them down (:func:`kernels.paged.dmc_cache_update`). Raises ValueError, changing nothing, when fewer
+    are left than needed or a row would pass its block-table row's pages."""
     lens = seq_lens[rows].long()
-    needs = (alpha.reshape(-1) == 0) & (lens % page_size == 0)
+    needs = lens % page_size == 0
+    if alpha is not None:
+        needs &= alpha.reshape(-1) == 0
     column = lens[needs] // page_size
     needed, left = column.numel(), int(spare_left)
     if needed and int(column.max()) >= block_table.shape[1]:

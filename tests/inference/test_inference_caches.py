@@ -145,9 +145,10 @@ def kernels_backend(request):
 
 
 def test_full_cache_step_reuses_its_block_table_between_pages(make_model, kernels_backend):
-    """The full cache's once-per-step path (the rows' block table taken again only when a row takes a page) gives
-    the logits, entries and pages of each layer growing its own rows, as rows cross page boundaries; its pages
-    needed per step are the generic count's."""
+    """The full cache's once-per-step path (compiled kernels: pages lent, each layer appending and attending in one
+    call; PyTorch: the rows' block table taken again only when a row takes a page) gives the logits, entries and
+    pages of each layer growing its own rows, as rows cross page boundaries; its pages needed per step are the
+    generic count's."""
     model = make_model("full")
     g = torch.Generator().manual_seed(3)
     sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (70, 41, 55)]
@@ -233,7 +234,7 @@ def test_a_dmc_step_that_may_not_find_its_pages_changes_nothing(make_model):
     del pool.free_pages[: len(pool.free_pages) - (full - 1)]  # one page fewer than the step may take
     before = [t.clone() for t in (pool.seq_lens, pool.block_table, pool.k_pages, cache.open_state, cache.open_tokens)]
     free = list(pool.free_pages)
-    with pytest.raises(OutOfPages, match=f"a DMC decode step may take {full}, {full - 1} free"):
+    with pytest.raises(OutOfPages, match=f"a decode step may take {full}, {full - 1} free"):
         model.decode(cache, [0], prompt[:1], torch.tensor([46]))
     after = (pool.seq_lens, pool.block_table, pool.k_pages, cache.open_state, cache.open_tokens)
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and pool.free_pages == free

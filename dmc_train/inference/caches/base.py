@@ -35,8 +35,8 @@ from typing import Callable, Optional
 
 import torch
 
-from dmc_train.errors import InferenceError
-from dmc_train.inference.pool import PagePool
+from dmc_train.errors import InferenceError, OutOfPages
+from dmc_train.inference.pool import PageLoan, PagePool
 
 
 @dataclass
@@ -128,6 +128,18 @@ class KVCache:
         rows = self.batch_rows(seq_ids).flatten(1)  # [B, layers * H_kv]
         full = self.pool.seq_lens[rows].long() % self.pool.page_size == 0
         return full.sum(1).tolist()
+
+    def lend_step_pages(self, rows: torch.Tensor) -> PageLoan:
+        """The pages a decode step's appends over ``rows`` (any shape) may take, lent by the pool
+        (:meth:`PagePool.lend_pages`): one per row, or all the free ones when fewer, then with the check (changing
+        nothing) that they cover every row whose last page is full (the most a step can take)."""
+        loan = self.pool.lend_pages(rows.numel())
+        if len(loan.pages) < rows.numel():
+            needed = int((self.pool.seq_lens[rows] % self.pool.page_size == 0).sum())
+            if needed > len(loan.pages):
+                raise OutOfPages(f"out of KV pages: a decode step may take {needed}, {len(loan.pages)} free of "
+                                 f"{self.pool.num_pages}")
+        return loan
 
     def prefill_pages_bound(self, n: int) -> int:
         """Most pages a prefill of ``n`` tokens can take: every row of the sequence holding all of them (no

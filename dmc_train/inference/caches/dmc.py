@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from dmc_train.errors import InferenceError, OutOfPages
+from dmc_train.errors import InferenceError
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PageLoan, PagePool
 from dmc_train.models.dmc_settings import DMCSettings
@@ -120,8 +120,8 @@ class DMCCache(KVCache):
         self.open_tokens[rows] = length
 
     def begin_decode(self, seq_ids):
-        """Once per step for every layer: the pages the step's appends may take are lent (:meth:`_lend`) and every
-        layer's rows taken. A layer's :meth:`decode` is then one kernel call where one runs (the compiled CPU
+        """Once per step for every layer: the pages the step's appends may take are lent (:meth:`lend_step_pages`) and
+        every layer's rows taken. A layer's :meth:`decode` is then one kernel call where one runs (the compiled CPU
         kernel)."""
         if self._step is not None:
             raise InferenceError("a DMC decode step began before the previous one ended (end_decode)")
@@ -129,25 +129,13 @@ class DMCCache(KVCache):
         if self._rows is None or self._rows[0] is not batch:
             self._rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1))  # [L, B * H_kv]
         rows = self._rows[1]
-        self._step = _DecodeStep(tuple(seq_ids), rows, self._lend(rows))
+        self._step = _DecodeStep(tuple(seq_ids), rows, self.lend_step_pages(rows))
 
     def end_decode(self):
         """Take the pages the step's appends took off the free list."""
         step, self._step = self._step, None
         if step is not None:
             self.pool.settle(step.loan)
-
-    def _lend(self, rows: torch.Tensor) -> PageLoan:
-        """The pages for the appends of ``rows`` (any shape): one per row, or all the free ones when fewer, then
-        with the check (changing nothing) that they cover every row whose last page is full (the most a step can
-        take)."""
-        loan = self.pool.lend_pages(rows.numel())
-        if len(loan.pages) < rows.numel():
-            needed = int((self.pool.seq_lens[rows] % self.pool.page_size == 0).sum())
-            if needed > len(loan.pages):
-                raise OutOfPages(f"out of KV pages: a DMC decode step may take {needed}, {len(loan.pages)} free of "
-                                 f"{self.pool.num_pages}")
-        return loan
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         """One token per sequence: Algorithm 1 on each row's open slot, which grows the appending rows by one entry,
@@ -157,7 +145,7 @@ class DMCCache(KVCache):
         step = self._step
         if step is None:
             rows = self.layer_rows(layer, seq_ids).flatten()
-            loan = self._lend(rows)
+            loan = self.lend_step_pages(rows)
             try:
                 return self._decode_rows(rows, loan, q, k, v, info)
             finally:

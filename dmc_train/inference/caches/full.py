@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional, Union
+
 import torch
 import torch.nn.functional as F
 
 from dmc_train.inference.caches.base import KVCache, TokenInfo
+from dmc_train.inference.pool import PageLoan
+from kernels.paged import DecodePlan, appends_in_attention_call, paged_append_decode
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -13,12 +17,29 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
+class _PlannedStep(NamedTuple):
+    """A decode step whose rows :meth:`FullCache.begin_decode` grew: where each layer's rows write
+    (``slots [layers, B * H_kv]``) and the attention plan shared by the layers."""
+
+    seq_ids: tuple
+    slots: torch.Tensor
+    plan: DecodePlan
+
+
+class _AppendingStep(NamedTuple):
+    """A decode step whose layers append as they attend: the ``rows [layers, B * H_kv]`` and the pages lent."""
+
+    seq_ids: tuple
+    rows: torch.Tensor
+    loan: PageLoan
+
+
 class FullCache(KVCache):
     """Keeps everything; attention as in training (causal at prefill, over all entries at decode)."""
 
     name = "full"
     prefill_equals_decode = True
-    _step = None  # (seq_ids, slots [layers, B * H_kv], DecodePlan) of the decode step begun
+    _step: Optional[Union[_PlannedStep, _AppendingStep]] = None  # the decode step begun
     _tables = None  # (batch rows, rows [layers, B * H_kv], their block table or None) while the batch is unchanged
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
@@ -43,14 +64,21 @@ class FullCache(KVCache):
                           for a, b in zip([0] + bounds[:-1], bounds)], dim=2)
 
     def begin_decode(self, seq_ids):
-        """Every row of the batch grows by one entry: one ``grow`` for all layers, and the slots written and
-        the attention plan computed once (every layer's rows of a sequence hold its tokens: equal lengths). A
-        row takes a page only every ``page_size``-th step: in the others only the lengths change, and the rows'
-        block table (stacked per batch, ``[layers, B * H_kv, pages]``) is the previous step's."""
+        """Once per step for every layer. Where a layer's append and attention are one kernel call (the compiled CPU
+        kernel, :func:`kernels.paged.paged_append_decode`) the pool lends the pages the rows may take
+        (:meth:`lend_step_pages`) and each layer's rows append as they attend. Elsewhere every row grows by one entry
+        here, in one ``grow`` for all layers, and the slots written and the attention plan computed once (every
+        layer's rows of a sequence hold its tokens: equal lengths); a row takes a page only every
+        ``page_size``-th step: in the others only the lengths change, and the rows' block table (stacked per batch,
+        ``[layers, B * H_kv, pages]``) is the previous step's."""
         batch = self.batch_rows(seq_ids)
         if self._tables is None or self._tables[0] is not batch:
             self._tables = (batch, batch.transpose(0, 1).flatten(1), None)  # rows [layers, B * H_kv]
         _, rows, table = self._tables
+        if appends_in_attention_call(self.pool.k_pages.device, self.pool.dtype):
+            self._tables = (batch, rows, None)  # rows take pages in the kernel: a kept table would go stale
+            self._step = _AppendingStep(tuple(seq_ids), rows, self.lend_step_pages(rows))
+            return
         lens = self.pool.seq_lens[rows[0]].long()
         grown = lens + 1
         if table is None or bool((lens % self.pool.page_size == 0).any()):  # some row takes a page
@@ -59,7 +87,7 @@ class FullCache(KVCache):
             self._tables = (batch, rows, table)
         else:
             self.pool.seq_lens[rows] = grown.to(self.pool.seq_lens.dtype)
-        self._step = (tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan_table(table, grown))
+        self._step = _PlannedStep(tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan_table(table, grown))
 
     def decode_pages_needed(self, seq_ids):
         """A page for each row of a sequence whose last page is full (one row read per sequence: its rows hold
@@ -68,14 +96,21 @@ class FullCache(KVCache):
         return [self.num_layers * self.num_kv_heads if n % self.pool.page_size == 0 else 0 for n in lens]
 
     def end_decode(self):
-        self._step = None
+        step, self._step = self._step, None
+        if isinstance(step, _AppendingStep):
+            self.pool.settle(step.loan)
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         b, h, d = q.shape
         step = self._step
-        if step is not None and step[0] == tuple(seq_ids):  # begin_decode grew the rows and planned
+        if step is not None and step.seq_ids == tuple(seq_ids):
             q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)  # [B * H_kv, G, d]
-            out = self.pool.attend_planned(step[2], q, self.scale, index=layer, append=(k, v, step[1][layer]))
+            if isinstance(step, _PlannedStep):
+                out = self.pool.attend_planned(step.plan, q, self.scale, index=layer, append=(k, v, step.slots[layer]))
+            else:
+                pool = self.pool
+                out = paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
+                                          step.rows[layer], k, v, q, self.scale, *step.loan)
             return out.view(b, h, -1)
         self._tables = None  # a layer grows its rows alone: the next step takes its block table again
         k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
