@@ -252,19 +252,25 @@ class LlamaForInference:
             return self._logits(x.reshape(-1, x.shape[-1])).view(b, x.shape[1], -1)
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Callable[..., torch.Tensor],
-                raw_qk: bool = False) -> torch.Tensor:
+                raw_qk: bool = False, compiled: Optional[Callable[[int], Any]] = None) -> torch.Tensor:
         """The hidden states ``[t, hidden]`` after the last layer of ``tokens [t]`` at ``positions [b, n]`` (rows =
         tokens, ``t = b n``). Per layer: the heads (:meth:`LlamaLayer.attention_input`), DMC's decisions from them
         before RoPE (:meth:`_decisions`), q and k rotated (:meth:`_split_heads`), then ``attention(layer, q [t, H, d],
         k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega) -> [t, H d_v]`` (``alpha``, ``omega [t, H_kv]``; None
         without DMC) and the rest of the layer. What every layer shares (RoPE tables, the decision rule) is computed
-        once, here."""
+        once, here. ``compiled(layer)``: the layer's attention as a compiled function (a decode step's,
+        ``KVCache.compiled_attention``) or None; with one the whole layer is one call
+        (:meth:`LlamaLayer.decode_with`)."""
         split, rope_in_input = self._split_heads(positions, raw_qk)
         all_reduce = None if self.group is None else self._all_reduce
         rule = None if self.dmc is None else self._decision_rule(positions)
         channel = None if self.dmc is None else self.dmc.channel
         x = self.embed[tokens]
         for layer in self.layers:
+            call = None if compiled is None else compiled(layer.index)
+            if call is not None:
+                x = layer.decode_with(x, rope_in_input, call)
+                continue
             heads, channel_values = layer.attention_input(x, rope_in_input, channel)
             alpha, omega = (None, None) if rule is None else self._decisions(channel_values, rule, positions)
             x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), all_reduce)
@@ -410,10 +416,15 @@ class LlamaForInference:
             info = TokenInfo(positions, alpha, omega, rotate)
             return cache.decode(layer, seq_ids, q.contiguous(), k, v, info).reshape(len(seq_ids), -1)
 
+        # a layer in one compiled call when the cache's step is a compiled function (no decisions, no RoPE left to
+        # the cache, no tensor parallelism: the layer kernel then runs every part)
+        fused = rotate is None and self.dmc is None and self.group is None and self.layers[0].runs_compiled()
+        compiled = (lambda layer: cache.compiled_attention(layer, self.head_counts[0])) if fused else None
         cache.begin_decode(seq_ids)
         try:
             with without_cpu_compat_mode():
-                return self._logits(self._layers(tokens, positions[:, None], attention, cache.rope_in_cache))
+                return self._logits(self._layers(tokens, positions[:, None], attention, cache.rope_in_cache,
+                                                 compiled))
         finally:
             cache.end_decode()
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.layer import layer_output, rms_norm_matmul
+from kernels.layer import CompiledAttention, compiled_runs, layer_decode, layer_output, rms_norm_matmul
 
 __all__ = ["LlamaLayer", "layer_names"]
 
@@ -87,6 +87,21 @@ class LlamaLayer:
         (rows = tokens, each token's heads side by side): output projection -> residual -> RMSNorm -> SwiGLU ->
         residual (:func:`kernels.layer.layer_output`)."""
         return layer_output(x, out, self.o_t, self.norm_mlp, self.eps, self.gate_up_t, self.down_t, all_reduce)
+
+    def runs_compiled(self) -> bool:
+        """True when this layer's weights take the compiled CPU kernel (fp32, :func:`kernels.layer.compiled_runs`):
+        then :meth:`decode_with` runs."""
+        return compiled_runs(self.norm_in, self.qkv_t, self.o_t, self.norm_mlp, self.gate_up_t, self.down_t)
+
+    def decode_with(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    attention: CompiledAttention) -> torch.Tensor:
+        """The layer's output ``[t, hidden]`` of a decode step's tokens ``x [t, hidden]`` in one compiled call, its
+        attention a compiled function over the projected heads (a cache's: ``KVCache.compiled_attention``; q and k
+        rotated by ``rope``'s tables first): :meth:`attention_input`, the attention and :meth:`attention_output`'s
+        arithmetic (:func:`kernels.layer.layer_decode`; only where :meth:`runs_compiled`)."""
+        h, g, _ = self.heads
+        return layer_decode(x, self.norm_in, self.eps, self.qkv_t, rope, h + g, self.head_dim, attention, self.o_t,
+                            self.norm_mlp, self.gate_up_t, self.down_t)
 
     def __call__(self, x: torch.Tensor, attend: Attend,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:

@@ -3,6 +3,11 @@
     heads, _ = rms_norm_matmul(x, norm_in, eps, qkv_w, rope=(cos, sin), rope_heads=H + H_kv, head_dim=d)
     x = layer_output(x, attn, o_w, norm_mlp, eps, gate_up_w, down_w)
 
+or, when the attention is itself a compiled function (:class:`CompiledAttention`: a cache's decode step,
+:func:`kernels.paged.paged_append_attention`), the whole layer in one call (CPU, fp32):
+
+    x = layer_decode(x, norm_in, eps, qkv_w, (cos, sin), H + H_kv, d, attention, o_w, norm_mlp, gate_up_w, down_w)
+
 ``rms_norm`` and ``rotate`` (RoPE by the tables) are the tensor ops themselves, shared with training and the
 engine's other paths.
 
@@ -20,16 +25,28 @@ rounding: the products and RoPE bit for bit, RMSNorm's sum and SwiGLU's exp with
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from kernels.backend import get_backend
 
-from .cpu import layer_output_cpu, library, rms_norm_matmul_cpu
+from .cpu import layer_decode_cpu, layer_output_cpu, library, rms_norm_matmul_cpu
 from .reference import layer_output_torch, rms_norm, rms_norm_matmul_torch, rotate
 
-__all__ = ["rms_norm", "rotate", "rms_norm_matmul", "layer_output", "compiled_runs"]
+__all__ = ["CompiledAttention", "rms_norm", "rotate", "rms_norm_matmul", "layer_output", "layer_decode",
+           "compiled_runs"]
+
+
+class CompiledAttention(Protocol):
+    """An attention the layer kernel calls by address: ``function(context, heads [t, H + 2 H_kv, d], out [t, width])
+    -> int`` (0, or a code :meth:`check` raises as the error), fp32 C arrays."""
+
+    function: int
+    context: int
+    width: int
+
+    def check(self, code: int) -> None: ...
 
 
 def compiled_runs(*tensors: torch.Tensor) -> bool:
@@ -61,3 +78,14 @@ def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight:
     if all_reduce is None and compiled_runs(x, attn, o_w, weight, gate_up_w, down_w):
         return layer_output_cpu(x, attn, o_w, weight, eps, gate_up_w, down_w)
     return layer_output_torch(x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce)
+
+
+def layer_decode(x: torch.Tensor, norm_in: torch.Tensor, eps: float, qkv_w: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], rope_heads: int, head_dim: int, attention: CompiledAttention,
+                 o_w: torch.Tensor, norm_mlp: torch.Tensor, gate_up_w: torch.Tensor,
+                 down_w: torch.Tensor) -> torch.Tensor:
+    """A decode step's whole layer in one compiled call: :func:`rms_norm_matmul` (with RoPE of the first
+    ``rope_heads`` heads), the ``attention`` over the heads, :func:`layer_output`: the same arithmetic as the three
+    calls. CPU, fp32, contiguous (:func:`compiled_runs`): the caller checks that it runs."""
+    return layer_decode_cpu(x, norm_in, eps, qkv_w, rope, rope_heads, head_dim, attention, o_w, norm_mlp, gate_up_w,
+                            down_w)

@@ -51,6 +51,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.dmc_update_f32.argtypes = dmc_step + [ptr]
     lib.decode_step_f32.argtypes = dmc_step + [ptr, i64, ctypes.c_float, ptr, i32]
     lib.dmc_update_f32.restype = lib.decode_step_f32.restype = ctypes.c_int
+    lib.decode_call_f32.argtypes = [ptr, ptr, ptr]
+    lib.decode_call_f32.restype = ctypes.c_int
     return lib
 
 
@@ -183,3 +185,46 @@ def decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, scal
     failed = library().decode_step_f32(*args, q.data_ptr(), groups, scale, out.data_ptr(), torch.get_num_threads())
     _check_pages_taken(failed, spare_left, block_table.shape[1])
     return out
+
+
+class _DecodeCall(ctypes.Structure):
+    """``struct decode_call`` of cpu_kernel.c (same fields, same order)."""
+
+    _fields_ = [("rows", ctypes.c_void_p), ("n", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
+                ("block_table", ctypes.c_void_p), ("table_stride", ctypes.c_int64), ("max_pages", ctypes.c_int64),
+                ("k_pages", ctypes.c_void_p), ("v_pages", ctypes.c_void_p), ("page_size", ctypes.c_int64),
+                ("d", ctypes.c_int64), ("dv", ctypes.c_int64), ("groups", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("token_stride", ctypes.c_int64), ("spare", ctypes.c_void_p),
+                ("left", ctypes.c_void_p), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
+
+
+class AppendingAttention:
+    """:func:`kernels.paged.paged_append_decode` as a C function a layer kernel calls with its projected heads
+    (:func:`kernels.layer.layer_decode`): ``function`` (the address of ``decode_call_f32``) and ``context`` (the
+    address of its arguments) for the rows given by :meth:`for_rows`, ``width`` (``H d_v``, the attention's values
+    per token) and :meth:`check` (the call's return code as an error). Built by
+    :func:`kernels.paged.paged_append_attention`; keeps the tensors it points into alive."""
+
+    def __init__(self, k_pages, v_pages, block_table, seq_lens, heads: tuple[int, int], scale: float, spare,
+                 spare_left):
+        (h, kv), d, dv = heads, k_pages.shape[-1], v_pages.shape[-1]
+        self._alive = (k_pages, v_pages, block_table, seq_lens, spare, spare_left)
+        self._max_pages, self._spare_left, self._rows = block_table.shape[1], spare_left, None
+        self.width = h * dv
+        self.call = _DecodeCall(None, 0, seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                                block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[1], d, dv,
+                                h // kv, kv, (h + kv) * d + kv * dv, spare.data_ptr(), spare_left.data_ptr(), scale,
+                                torch.get_num_threads())
+        self.function = ctypes.cast(library().decode_call_f32, ctypes.c_void_p).value
+        self.context = ctypes.addressof(self.call)
+
+    def for_rows(self, rows: torch.Tensor) -> "AppendingAttention":
+        """Attend over ``rows [B * H_kv]`` (int64, contiguous; sequence-major: row ``b H_kv + j`` is token b's KV head
+        j) in the next call."""
+        self._rows = rows
+        self.call.rows, self.call.n = rows.data_ptr(), rows.shape[0]
+        return self
+
+    def check(self, code: int) -> None:
+        """Raise the error of the call's nonzero ``code`` (nothing changed)."""
+        _check_pages_taken(code, self._spare_left, self._max_pages)

@@ -128,7 +128,9 @@ INLINE void attend_block(const float *q, const float *k, const float *v, int64_t
 }
 
 struct attention { /* paged_decode_f32's arguments */
-  const float *q, *k_pages, *v_pages;
+  const float *q;        /* row r's query heads at q + (r / q_inner) * q_outer + (r % q_inner) * groups * d */
+  int64_t q_inner, q_outer;
+  const float *k_pages, *v_pages;
   const int32_t *block_table;
   const int64_t *rows; /* row r's block-table row is rows[r] (decode_step_f32), or r when NULL */
   int64_t table_stride, groups, page_size;
@@ -141,7 +143,7 @@ struct attention { /* paged_decode_f32's arguments */
 INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, float *kept) {
   const int64_t groups = a->groups, page_size = a->page_size;
   const int32_t *pages = a->block_table + (a->rows ? a->rows[r] : r) * a->table_stride;
-  const float *q = a->q + r * groups * d, scale = a->scale;
+  const float *q = a->q + (r / a->q_inner) * a->q_outer + (r % a->q_inner) * groups * d, scale = a->scale;
   float *out = a->out + r * groups * dv, *scores = a->scores ? a->scores + r * a->scores_width : NULL;
   const int scores_mode = a->scores_mode;
   float max[groups], sums[groups * BLOCK];
@@ -204,8 +206,10 @@ int paged_decode_f32(const float *q, float *k_pages, float *v_pages, const int32
                      int64_t scores_width, int scores_mode, int num_threads, const float *k_new,
                      int64_t sk_outer, int64_t sk_inner, const float *v_new, int64_t sv_outer, int64_t sv_inner,
                      int64_t inner, const int64_t *slots) {
-  const struct attention a = {q, k_pages, v_pages, block_table, NULL, table_stride, groups, page_size, scale, out,
-                              lse, scores, scores_width, scores_mode};
+  const struct attention a = {.q = q, .q_inner = 1, .q_outer = groups * d, .k_pages = k_pages, .v_pages = v_pages,
+                              .block_table = block_table, .table_stride = table_stride, .groups = groups,
+                              .page_size = page_size, .scale = scale, .out = out, .lse = lse, .scores = scores,
+                              .scores_width = scores_width, .scores_mode = scores_mode};
   int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t r = 0; r < rows; ++r) {
@@ -337,9 +341,46 @@ int decode_step_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, 
   const struct dmc_step s = DMC_STEP;
   const int failed = take_pages(&s, spare, left);
   if (failed) return failed;
-  const struct attention a = {q, k_pages, v_pages, block_table, rows, table_stride, groups, page_size, scale, out,
-                              NULL, NULL, 0, 0};
+  const struct attention a = {.q = q, .q_inner = 1, .q_outer = groups * d, .k_pages = k_pages, .v_pages = v_pages,
+                              .block_table = block_table, .rows = rows, .table_stride = table_stride,
+                              .groups = groups, .page_size = page_size, .scale = scale, .out = out};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t r = 0; r < n; ++r) attend_row_sized(&a, r, update_row(&s, r), d, dv, NULL);
+  return 0;
+}
+
+/* A layer's decode step of a cache that appends every token (decode_step_f32 without a state) whose inputs are the
+ * layer's projected heads, for a caller that computes them (kernels/layer's layer_decode_f32, which calls this by
+ * address between the projection and the output): heads [B, token_stride] per token, its H = kv_heads * groups
+ * query heads of d values, then the kv_heads keys, then the values (dv each), row r = b * kv_heads + j being
+ * token b's KV head j; out [B, H * dv]. The rest as decode_step_f32 (rows [n], n = B * kv_heads). */
+struct decode_call {
+  const int64_t *rows;
+  int64_t n;
+  int32_t *seq_lens, *block_table;
+  int64_t table_stride, max_pages;
+  float *k_pages, *v_pages;
+  int64_t page_size, d, dv, groups, kv_heads, token_stride;
+  const int32_t *spare;
+  int64_t *left;
+  float scale;
+  int num_threads;
+};
+
+int decode_call_f32(const struct decode_call *c, const float *heads, float *out) {
+  const int64_t d = c->d, kv = c->kv_heads, q_width = kv * c->groups * d;
+  const struct dmc_step s = {.rows = c->rows, .k = heads + q_width, .sk_outer = c->token_stride, .sk_inner = d,
+                             .v = heads + q_width + kv * d, .sv_outer = c->token_stride, .sv_inner = c->dv,
+                             .inner = kv, .seq_lens = c->seq_lens, .block_table = c->block_table,
+                             .table_stride = c->table_stride, .max_pages = c->max_pages, .k_pages = c->k_pages,
+                             .v_pages = c->v_pages, .n = c->n, .d = d, .dv = c->dv, .page_size = c->page_size};
+  const int failed = take_pages(&s, c->spare, c->left);
+  if (failed) return failed;
+  const struct attention a = {.q = heads, .q_inner = kv, .q_outer = c->token_stride, .k_pages = c->k_pages,
+                              .v_pages = c->v_pages, .block_table = c->block_table, .rows = c->rows,
+                              .table_stride = c->table_stride, .groups = c->groups, .page_size = c->page_size,
+                              .scale = c->scale, .out = out};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(c->num_threads)
+  for (int64_t r = 0; r < c->n; ++r) attend_row_sized(&a, r, update_row(&s, r), d, c->dv, NULL);
   return 0;
 }

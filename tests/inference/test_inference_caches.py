@@ -241,3 +241,35 @@ def test_a_dmc_step_that_may_not_find_its_pages_changes_nothing(make_model):
     pool.free_pages.insert(0, max(free) + 1)
     model.decode(cache, [0], prompt[:1], torch.tensor([46]))
     assert not torch.equal(cache.open_tokens, before[4])
+
+
+def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model):
+    """On CPU in fp32 a full cache's decode step runs each layer in one compiled call (projection, the cache's
+    append and attention as a C function, output: LlamaLayer.decode_with); the same steps with the layer's three
+    calls (the cache's compiled_attention declined) give bit for bit the same logits and cache entries, as rows
+    cross page boundaries."""
+    model = make_model("full")
+    g = torch.Generator().manual_seed(11)
+    sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (50, 23, 37)]
+    fused, three = new_cache(model), new_cache(model)
+    three.compiled_attention = lambda layer, num_heads: None
+    calls = []
+    original = fused.compiled_attention
+
+    def compiled_attention(layer, num_heads):
+        call = original(layer, num_heads)
+        calls.append(call is not None)
+        return call
+
+    fused.compiled_attention = compiled_attention
+    got = teacher_forced_decode(model, fused, sequences, prompt_lens=[3, 1, 9])
+    want = teacher_forced_decode(model, three, sequences, prompt_lens=[3, 1, 9])
+    assert calls and all(calls)  # every layer of every step ran in one call
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert fused.pool.free_pages == three.pool.free_pages
+    for s in fused.rows:
+        assert torch.equal(fused.entries(s), three.entries(s))
+        for a, b in zip(fused.rows[s].flatten().tolist(), three.rows[s].flatten().tolist()):
+            for x, y in zip(fused.pool.read(a), three.pool.read(b)):
+                assert torch.equal(x, y)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PageLoan
-from kernels.paged import DecodePlan, appends_in_attention_call, paged_append_decode
+from kernels.paged import DecodePlan, appends_in_attention_call, paged_append_attention, paged_append_decode
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -41,6 +41,7 @@ class FullCache(KVCache):
     prefill_equals_decode = True
     _step: Optional[Union[_PlannedStep, _AppendingStep]] = None  # the decode step begun
     _tables = None  # (batch rows, rows [layers, B * H_kv], their block table or None) while the batch is unchanged
+    _call = None  # the appending step as a compiled function (compiled_attention), or False where none runs
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
         n = k.shape[2]
@@ -77,7 +78,7 @@ class FullCache(KVCache):
         _, rows, table = self._tables
         if appends_in_attention_call(self.pool.k_pages.device, self.pool.dtype):
             self._tables = (batch, rows, None)  # rows take pages in the kernel: a kept table would go stale
-            self._step = _AppendingStep(tuple(seq_ids), rows, self.lend_step_pages(rows))
+            self._step, self._call = _AppendingStep(tuple(seq_ids), rows, self.lend_step_pages(rows)), None
             return
         lens = self.pool.seq_lens[rows[0]].long()
         grown = lens + 1
@@ -96,9 +97,21 @@ class FullCache(KVCache):
         return [self.num_layers * self.num_kv_heads if n % self.pool.page_size == 0 else 0 for n in lens]
 
     def end_decode(self):
-        step, self._step = self._step, None
+        step, self._step, self._call = self._step, None, None
         if isinstance(step, _AppendingStep):
             self.pool.settle(step.loan)
+
+    def compiled_attention(self, layer, num_heads):
+        """In an appending step: the layer's append and attention as the compiled function the layer kernel calls
+        (:func:`kernels.paged.paged_append_attention`, built once per step)."""
+        step = self._step
+        if not isinstance(step, _AppendingStep):
+            return None
+        if self._call is None:
+            pool = self.pool
+            self._call = paged_append_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
+                                                (num_heads, self.num_kv_heads), self.scale, *step.loan) or False
+        return self._call and self._call.for_rows(step.rows[layer])
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         b, h, d = q.shape
