@@ -260,7 +260,8 @@ class LlamaForInference:
         without DMC) and the rest of the layer. What every layer shares (RoPE tables, the decision rule) is computed
         once, here. ``compiled(layer)``: the layer's attention as a compiled function (a decode step's,
         ``KVCache.compiled_attention``) or None; with one the whole layer is one call
-        (:meth:`LlamaLayer.decode_with`)."""
+        (:meth:`LlamaLayer.decode_with`), or two with DMC's decisions between
+        (:meth:`LlamaLayer.attend_output_with`)."""
         split, rope_in_input = self._split_heads(positions, raw_qk)
         all_reduce = None if self.group is None else self._all_reduce
         rule = None if self.dmc is None else self._decision_rule(positions)
@@ -268,11 +269,14 @@ class LlamaForInference:
         x = self.embed[tokens]
         for layer in self.layers:
             call = None if compiled is None else compiled(layer.index)
-            if call is not None:
+            if call is not None and rule is None:
                 x = layer.decode_with(x, rope_in_input, call)
                 continue
             heads, channel_values = layer.attention_input(x, rope_in_input, channel)
             alpha, omega = (None, None) if rule is None else self._decisions(channel_values, rule, positions)
+            if call is not None:  # DMC: the decisions read the heads, the rest of the layer is one call
+                x = layer.attend_output_with(x, heads, call.with_decisions(alpha, omega))
+                continue
             x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), all_reduce)
         return x
 
@@ -416,9 +420,9 @@ class LlamaForInference:
             info = TokenInfo(positions, alpha, omega, rotate)
             return cache.decode(layer, seq_ids, q.contiguous(), k, v, info).reshape(len(seq_ids), -1)
 
-        # a layer in one compiled call when the cache's step is a compiled function (no decisions, no RoPE left to
-        # the cache, no tensor parallelism: the layer kernel then runs every part)
-        fused = rotate is None and self.dmc is None and self.group is None and self.layers[0].runs_compiled()
+        # a layer in one compiled call when the cache's step is a compiled function (no RoPE left to the cache, no
+        # tensor parallelism: the layer kernel then runs every part; DMC's decisions between two calls)
+        fused = rotate is None and self.group is None and self.layers[0].runs_compiled()
         compiled = (lambda layer: cache.compiled_attention(layer, self.head_counts[0])) if fused else None
         cache.begin_decode(seq_ids)
         try:

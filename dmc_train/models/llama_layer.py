@@ -26,7 +26,14 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.layer import CompiledAttention, compiled_runs, layer_decode, layer_output, rms_norm_matmul
+from kernels.layer import (
+    CompiledAttention,
+    compiled_runs,
+    layer_attend_output,
+    layer_decode,
+    layer_output,
+    rms_norm_matmul,
+)
 
 __all__ = ["LlamaLayer", "layer_names"]
 
@@ -102,6 +109,13 @@ class LlamaLayer:
         h, g, _ = self.heads
         return layer_decode(x, self.norm_in, self.eps, self.qkv_t, rope, h + g, self.head_dim, attention, self.o_t,
                             self.norm_mlp, self.gate_up_t, self.down_t)
+
+    def attend_output_with(self, x: torch.Tensor, heads: torch.Tensor, attention: CompiledAttention) -> torch.Tensor:
+        """:meth:`decode_with` from the layer's ``heads`` (:meth:`attention_input`'s) on: the attention and
+        :meth:`attention_output` in one compiled call (for a cache whose step needs the heads first: DMC's
+        decisions; :func:`kernels.layer.layer_attend_output`)."""
+        return layer_attend_output(x, heads, attention, self.o_t, self.norm_mlp, self.eps, self.gate_up_t,
+                                   self.down_t)
 
     def __call__(self, x: torch.Tensor, attend: Attend,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:

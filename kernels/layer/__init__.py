@@ -4,9 +4,10 @@
     x = layer_output(x, attn, o_w, norm_mlp, eps, gate_up_w, down_w)
 
 or, when the attention is itself a compiled function (:class:`CompiledAttention`: a cache's decode step,
-:func:`kernels.paged.paged_append_attention`), the whole layer in one call (CPU, fp32):
+:func:`kernels.paged.decode_attention`), the whole layer in one call, or from its heads on in one (CPU, fp32):
 
     x = layer_decode(x, norm_in, eps, qkv_w, (cos, sin), H + H_kv, d, attention, o_w, norm_mlp, gate_up_w, down_w)
+    x = layer_attend_output(x, heads, attention, o_w, norm_mlp, eps, gate_up_w, down_w)  # heads: rms_norm_matmul's
 
 ``rms_norm`` and ``rotate`` (RoPE by the tables) are the tensor ops themselves, shared with training and the
 engine's other paths.
@@ -31,11 +32,11 @@ import torch
 
 from kernels.backend import get_backend
 
-from .cpu import layer_decode_cpu, layer_output_cpu, library, rms_norm_matmul_cpu
+from .cpu import layer_attend_output_cpu, layer_decode_cpu, layer_output_cpu, library, rms_norm_matmul_cpu
 from .reference import layer_output_torch, rms_norm, rms_norm_matmul_torch, rotate
 
 __all__ = ["CompiledAttention", "rms_norm", "rotate", "rms_norm_matmul", "layer_output", "layer_decode",
-           "compiled_runs"]
+           "layer_attend_output", "compiled_runs"]
 
 
 class CompiledAttention(Protocol):
@@ -89,3 +90,13 @@ def layer_decode(x: torch.Tensor, norm_in: torch.Tensor, eps: float, qkv_w: torc
     calls. CPU, fp32, contiguous (:func:`compiled_runs`): the caller checks that it runs."""
     return layer_decode_cpu(x, norm_in, eps, qkv_w, rope, rope_heads, head_dim, attention, o_w, norm_mlp, gate_up_w,
                             down_w)
+
+
+def layer_attend_output(x: torch.Tensor, heads: torch.Tensor, attention: CompiledAttention, o_w: torch.Tensor,
+                        weight: torch.Tensor, eps: float, gate_up_w: torch.Tensor,
+                        down_w: torch.Tensor) -> torch.Tensor:
+    """A decode step's layer from its projected ``heads [t, H + 2 H_kv, d]`` (:func:`rms_norm_matmul`'s, q and k
+    rotated) on, in one compiled call: the ``attention`` over them, then :func:`layer_output` (for a cache whose
+    step needs something between the two, DMC's decisions). CPU, fp32, contiguous: the caller checks that it
+    runs."""
+    return layer_attend_output_cpu(x, heads, attention, o_w, weight, eps, gate_up_w, down_w)

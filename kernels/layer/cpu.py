@@ -46,6 +46,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.set_sgemm(sgemm)
     lib.rms_norm_matmul_f32.argtypes = [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.layer_output_f32.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64]
+    lib.layer_attend_output_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr]
     lib.layer_decode_f32.argtypes = [ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr,
                                      ptr, ptr, ptr, i64, ptr]
     return lib
@@ -118,8 +119,28 @@ def layer_decode_cpu(x, norm_in, eps: float, qkv_w, rope, rope_heads: int, head_
         x.data_ptr(), norm_in.data_ptr(), eps, qkv_w.data_ptr(), t, h, n, cos.data_ptr(), sin.data_ptr(),
         sin.shape[1], rope_heads, head_dim, attention.function, attention.context, attention.width, o_w.data_ptr(),
         norm_mlp.data_ptr(), gate_up_w.data_ptr(), down_w.data_ptr(), f, y.data_ptr())
+    _raise_for("layer_decode", code, t, attention)
+    return y
+
+
+def layer_attend_output_cpu(x, heads, attention, o_w, weight, eps: float, gate_up_w, down_w) -> torch.Tensor:
+    """:func:`kernels.layer.layer_attend_output` by the compiled kernel (inputs fp32 and contiguous)."""
+    t, h = x.shape
+    f = down_w.shape[0]
+    _check("layer_attend_output", heads.shape[0] == t and o_w.shape == (attention.width, h) and weight.shape == (h,)
+           and gate_up_w.shape == (h, 2 * f) and down_w.shape == (f, h),
+           {"x": x, "heads": heads, "o_w": o_w, "gate_up_w": gate_up_w, "down_w": down_w})
+    y = torch.empty(t, h)
+    code = library().layer_attend_output_f32(x.data_ptr(), heads.data_ptr(), attention.function, attention.context,
+                                             attention.width, o_w.data_ptr(), weight.data_ptr(), eps,
+                                             gate_up_w.data_ptr(), down_w.data_ptr(), t, h, f, y.data_ptr())
+    _raise_for("layer_attend_output", code, t, attention)
+    return y
+
+
+def _raise_for(what: str, code: int, t: int, attention) -> None:
+    """The error of a layer call's nonzero return ``code``: -1 out of memory, else the attention's."""
     if code < 0:
-        raise _out_of_memory("layer_decode", t)
+        raise _out_of_memory(what, t)
     if code:
         attention.check(code)
-    return y

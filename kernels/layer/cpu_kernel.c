@@ -125,25 +125,36 @@ int layer_output_f32(const float *x, const float *attn, const float *o_w, const 
   return failed;
 }
 
-/* A whole layer of a decode step with its attention given as a C function (a cache's, kernels/paged's
- * decode_call_f32, passed by address with its context): heads [t, n] = rms_norm_matmul_f32 (RoPE of the first
- * rope_heads heads), attn [t, a] = attention(ctx, heads, attn), then y = layer_output_f32. Returns 0, the
- * attention's nonzero code (the output is not computed then), or -1 when out of memory. */
+/* A decode step's layer from its projected heads [t, n] on, its attention given as a C function (a cache's,
+ * kernels/paged's decode_call_f32, passed by address with its context): attn [t, a] = attention(ctx, heads, attn),
+ * then y = layer_output_f32. Returns 0, the attention's nonzero code (the output is not computed then), or -1 when
+ * out of memory. */
 typedef int (*attention_fn)(const void *ctx, const float *heads, float *attn);
 
+int layer_attend_output_f32(const float *x, const float *heads, void *attention, const void *ctx, int64_t a,
+                            const float *o_w, const float *norm_mlp_w, float eps, const float *gate_up_w,
+                            const float *down_w, int64_t t, int64_t h, int64_t f, float *y) {
+  float *attn = scratch(t * a);
+  int code = -1;
+  if (attn) {
+    code = ((attention_fn)attention)(ctx, heads, attn);
+    if (!code && layer_output_f32(x, attn, o_w, norm_mlp_w, eps, gate_up_w, down_w, y, t, h, a, f)) code = -1;
+  }
+  free(attn);
+  return code;
+}
+
+/* The whole layer: heads [t, n] = rms_norm_matmul_f32 (RoPE of the first rope_heads heads), then
+ * layer_attend_output_f32. */
 int layer_decode_f32(const float *x, const float *norm_in_w, float eps, const float *qkv_w, int64_t t, int64_t h,
                      int64_t n, const float *cos, const float *sin, int64_t sin_heads, int64_t rope_heads,
                      int64_t head_dim, void *attention, const void *ctx, int64_t a, const float *o_w,
                      const float *norm_mlp_w, const float *gate_up_w, const float *down_w, int64_t f, float *y) {
-  float *heads = scratch(t * n), *attn = scratch(t * a);
+  float *heads = scratch(t * n);
   int code = -1;
-  if (heads && attn &&
-      !rms_norm_matmul_f32(x, norm_in_w, eps, qkv_w, heads, t, h, n, cos, sin, sin_heads, rope_heads, head_dim, 0,
-                           NULL)) {
-    code = ((attention_fn)attention)(ctx, heads, attn);
-    if (!code && layer_output_f32(x, attn, o_w, norm_mlp_w, eps, gate_up_w, down_w, y, t, h, a, f)) code = -1;
-  }
+  if (heads && !rms_norm_matmul_f32(x, norm_in_w, eps, qkv_w, heads, t, h, n, cos, sin, sin_heads, rope_heads,
+                                    head_dim, 0, NULL))
+    code = layer_attend_output_f32(x, heads, attention, ctx, a, o_w, norm_mlp_w, eps, gate_up_w, down_w, t, h, f, y);
   free(heads);
-  free(attn);
   return code;
 }

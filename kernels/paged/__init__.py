@@ -66,7 +66,7 @@ from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores
 from .column_sums import attention_column_sums_torch
 from .cpu import (
     MAX_GROUPS,
-    AppendingAttention,
+    DecodeAttention,
     cpu_kernel_fits,
     cpu_kernel_runs,
     decode_step_cpu,
@@ -80,7 +80,7 @@ from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_deco
 from .writes import dmc_cache_update_torch, paged_write_torch, take_spare_pages_torch, write_slots_torch
 
 __all__ = ["DecodePlan", "appends_in_attention_call", "attention_column_sums", "dmc_cache_update", "dmc_decode",
-           "paged_append_attention", "paged_append_decode", "paged_attention", "paged_attention_planned",
+           "decode_attention", "paged_append_decode", "paged_attention", "paged_attention_planned",
            "paged_decode_plan", "paged_write", "reads_block_table", "reference_attention_column_sums",
            "reference_paged_attention"]
 
@@ -328,18 +328,22 @@ def paged_append_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_tabl
     return paged_attention(q, k_pages, v_pages, block_table[rows], lens + 1, scale, check_values=False)
 
 
-def paged_append_attention(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                           seq_lens: torch.Tensor, heads: tuple[int, int], scale: float, spare: torch.Tensor,
-                           spare_left: torch.Tensor) -> AppendingAttention | None:
-    """:func:`paged_append_decode` as a compiled function that a layer kernel calls between its projection and its
-    output (:func:`kernels.layer.layer_decode`), reading q, k and v from the layer's projected heads ``[B, H + 2
+def decode_attention(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     heads: tuple[int, int], scale: float, spare: torch.Tensor, spare_left: torch.Tensor,
+                     open_state: torch.Tensor | None = None,
+                     open_tokens: torch.Tensor | None = None) -> DecodeAttention | None:
+    """A layer's decode step, :func:`paged_append_decode` (or, with DMC's open-slot state, :func:`dmc_decode`, the
+    decisions given per layer: :meth:`DecodeAttention.with_decisions`), as a compiled function that a layer kernel
+    calls between its projection and its output (:func:`kernels.layer.layer_decode`,
+    :func:`kernels.layer.layer_attend_output`), reading q, k and v from the layer's projected heads ``[B, H + 2
     H_kv, d]`` (``heads = (H, H_kv)``) and writing ``[B, H d_v]``; the rows are given per layer
-    (:meth:`AppendingAttention.for_rows`). None where the compiled CPU kernel does not run
+    (:meth:`DecodeAttention.for_rows`). None where the compiled CPU kernel does not run
     (:func:`appends_in_attention_call`)."""
     if not (appends_in_attention_call(k_pages.device, k_pages.dtype) and heads[0] // heads[1] <= MAX_GROUPS
-            and decode_step_fits(k_pages, block_table, seq_lens)):
+            and decode_step_fits(k_pages, block_table, seq_lens, open_state)):
         return None
-    return AppendingAttention(k_pages, v_pages, block_table, seq_lens, heads, float(scale), spare, spare_left)
+    return DecodeAttention(k_pages, v_pages, block_table, seq_lens, heads, float(scale), spare, spare_left, open_state,
+                           open_tokens)
 
 
 def _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens) -> None:

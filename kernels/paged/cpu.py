@@ -195,34 +195,48 @@ class _DecodeCall(ctypes.Structure):
                 ("k_pages", ctypes.c_void_p), ("v_pages", ctypes.c_void_p), ("page_size", ctypes.c_int64),
                 ("d", ctypes.c_int64), ("dv", ctypes.c_int64), ("groups", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("token_stride", ctypes.c_int64), ("spare", ctypes.c_void_p),
-                ("left", ctypes.c_void_p), ("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
+                ("left", ctypes.c_void_p), ("alpha", ctypes.c_void_p), ("omega", ctypes.c_void_p),
+                ("state", ctypes.c_void_p), ("s_row", ctypes.c_int64), ("s_ring", ctypes.c_int64),
+                ("ring", ctypes.c_int64), ("open_tokens", ctypes.c_void_p), ("scale", ctypes.c_float),
+                ("num_threads", ctypes.c_int)]
 
 
-class AppendingAttention:
-    """:func:`kernels.paged.paged_append_decode` as a C function a layer kernel calls with its projected heads
-    (:func:`kernels.layer.layer_decode`): ``function`` (the address of ``decode_call_f32``) and ``context`` (the
-    address of its arguments) for the rows given by :meth:`for_rows`, ``width`` (``H d_v``, the attention's values
-    per token) and :meth:`check` (the call's return code as an error). Built by
-    :func:`kernels.paged.paged_append_attention`; keeps the tensors it points into alive."""
+class DecodeAttention:
+    """A layer's decode step over a cache's rows (:func:`kernels.paged.paged_append_decode`, or with an open-slot
+    state :func:`kernels.paged.dmc_decode`) as a C function a layer kernel calls with its projected heads
+    (:func:`kernels.layer.layer_decode`, :func:`kernels.layer.layer_attend_output`): ``function`` (the address of
+    ``decode_call_f32``) and ``context`` (the address of its arguments) for the rows given by :meth:`for_rows` (and
+    DMC's decisions by :meth:`with_decisions`), ``width`` (``H d_v``, the attention's values per token) and
+    :meth:`check` (the call's return code as an error). Built by :func:`kernels.paged.decode_attention`; keeps the
+    tensors it points into alive."""
 
     def __init__(self, k_pages, v_pages, block_table, seq_lens, heads: tuple[int, int], scale: float, spare,
-                 spare_left):
+                 spare_left, open_state=None, open_tokens=None):
         (h, kv), d, dv = heads, k_pages.shape[-1], v_pages.shape[-1]
-        self._alive = (k_pages, v_pages, block_table, seq_lens, spare, spare_left)
-        self._max_pages, self._spare_left, self._rows = block_table.shape[1], spare_left, None
+        self._alive = (k_pages, v_pages, block_table, seq_lens, spare, spare_left, open_state, open_tokens)
+        self._max_pages, self._spare_left, self._rows, self._decisions = block_table.shape[1], spare_left, None, None
         self.width = h * dv
+        state = (None, 0, 0, 0) if open_state is None else (open_state.data_ptr(), *open_state.stride()[:2],
+                                                            open_state.shape[1])
         self.call = _DecodeCall(None, 0, seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                 block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[1], d, dv,
-                                h // kv, kv, (h + kv) * d + kv * dv, spare.data_ptr(), spare_left.data_ptr(), scale,
-                                torch.get_num_threads())
+                                h // kv, kv, (h + kv) * d + kv * dv, spare.data_ptr(), spare_left.data_ptr(), None,
+                                None, *state, _ptr(open_tokens), scale, torch.get_num_threads())
         self.function = ctypes.cast(library().decode_call_f32, ctypes.c_void_p).value
         self.context = ctypes.addressof(self.call)
 
-    def for_rows(self, rows: torch.Tensor) -> "AppendingAttention":
+    def for_rows(self, rows: torch.Tensor) -> "DecodeAttention":
         """Attend over ``rows [B * H_kv]`` (int64, contiguous; sequence-major: row ``b H_kv + j`` is token b's KV head
         j) in the next call."""
         self._rows = rows
         self.call.rows, self.call.n = rows.data_ptr(), rows.shape[0]
+        return self
+
+    def with_decisions(self, alpha: torch.Tensor, omega: torch.Tensor) -> "DecodeAttention":
+        """DMC's decisions for the rows of the next call: ``alpha``, ``omega`` ``[B, H_kv]`` (fp32, as the model gives
+        them; :func:`kernels.paged.dmc_cache_update`)."""
+        self._decisions = tuple(_f32(t).contiguous() for t in (alpha, omega))
+        self.call.alpha, self.call.omega = (t.data_ptr() for t in self._decisions)
         return self
 
     def check(self, code: int) -> None:

@@ -349,11 +349,12 @@ int decode_step_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, 
   return 0;
 }
 
-/* A layer's decode step of a cache that appends every token (decode_step_f32 without a state) whose inputs are the
- * layer's projected heads, for a caller that computes them (kernels/layer's layer_decode_f32, which calls this by
- * address between the projection and the output): heads [B, token_stride] per token, its H = kv_heads * groups
- * query heads of d values, then the kv_heads keys, then the values (dv each), row r = b * kv_heads + j being
- * token b's KV head j; out [B, H * dv]. The rest as decode_step_f32 (rows [n], n = B * kv_heads). */
+/* A layer's decode step (decode_step_f32) whose inputs are the layer's projected heads, for a caller that computes
+ * them (kernels/layer's layer_decode_f32 and layer_attend_output_f32, which call this by address between the
+ * projection and the output): heads [B, token_stride] per token, its H = kv_heads * groups query heads of d values,
+ * then the kv_heads keys, then the values (dv each), row r = b * kv_heads + j being token b's KV head j; out [B, H *
+ * dv]. DMC with the open-slot state (state, alpha, omega [n] set), else a plain append; the rest as decode_step_f32
+ * (rows [n], n = B * kv_heads). */
 struct decode_call {
   const int64_t *rows;
   int64_t n;
@@ -363,17 +364,23 @@ struct decode_call {
   int64_t page_size, d, dv, groups, kv_heads, token_stride;
   const int32_t *spare;
   int64_t *left;
+  const float *alpha, *omega;
+  float *state;
+  int64_t s_row, s_ring, ring;
+  int64_t *open_tokens;
   float scale;
   int num_threads;
 };
 
 int decode_call_f32(const struct decode_call *c, const float *heads, float *out) {
   const int64_t d = c->d, kv = c->kv_heads, q_width = kv * c->groups * d;
-  const struct dmc_step s = {.rows = c->rows, .k = heads + q_width, .sk_outer = c->token_stride, .sk_inner = d,
-                             .v = heads + q_width + kv * d, .sv_outer = c->token_stride, .sv_inner = c->dv,
-                             .inner = kv, .seq_lens = c->seq_lens, .block_table = c->block_table,
-                             .table_stride = c->table_stride, .max_pages = c->max_pages, .k_pages = c->k_pages,
-                             .v_pages = c->v_pages, .n = c->n, .d = d, .dv = c->dv, .page_size = c->page_size};
+  const struct dmc_step s = {.rows = c->rows, .alpha = c->alpha, .omega = c->omega, .k = heads + q_width,
+                             .sk_outer = c->token_stride, .sk_inner = d, .v = heads + q_width + kv * d,
+                             .sv_outer = c->token_stride, .sv_inner = c->dv, .inner = kv, .state = c->state,
+                             .s_row = c->s_row, .s_ring = c->s_ring, .open_tokens = c->open_tokens,
+                             .seq_lens = c->seq_lens, .block_table = c->block_table, .table_stride = c->table_stride,
+                             .max_pages = c->max_pages, .k_pages = c->k_pages, .v_pages = c->v_pages, .n = c->n,
+                             .ring = c->ring, .d = d, .dv = c->dv, .page_size = c->page_size};
   const int failed = take_pages(&s, c->spare, c->left);
   if (failed) return failed;
   const struct attention a = {.q = heads, .q_inner = kv, .q_outer = c->token_stride, .k_pages = c->k_pages,

@@ -243,12 +243,14 @@ def test_a_dmc_step_that_may_not_find_its_pages_changes_nothing(make_model):
     assert not torch.equal(cache.open_tokens, before[4])
 
 
-def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model):
-    """On CPU in fp32 a full cache's decode step runs each layer in one compiled call (projection, the cache's
-    append and attention as a C function, output: LlamaLayer.decode_with); the same steps with the layer's three
-    calls (the cache's compiled_attention declined) give bit for bit the same logits and cache entries, as rows
-    cross page boundaries."""
-    model = make_model("full")
+@pytest.mark.parametrize("variant", ["full", "dmc_exact", "dmc_window", "dmc_hardc", "fixed_pooling"])
+def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model, variant):
+    """On CPU in fp32 a decode step runs each layer in one compiled call (projection, the cache's update and
+    attention as a C function, output: LlamaLayer.decode_with), or for DMC in two around its decisions
+    (LlamaLayer.attend_output_with); the same steps with the layer's three calls (the cache's compiled_attention
+    declined) give bit for bit the same logits, cache entries and open-slot state, as rows cross page
+    boundaries."""
+    model = make_model(variant)
     g = torch.Generator().manual_seed(11)
     sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (50, 23, 37)]
     fused, three = new_cache(model), new_cache(model)
@@ -273,3 +275,5 @@ def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model):
         for a, b in zip(fused.rows[s].flatten().tolist(), three.rows[s].flatten().tolist()):
             for x, y in zip(fused.pool.read(a), three.pool.read(b)):
                 assert torch.equal(x, y)
+    if model.dmc is not None:
+        assert torch.equal(fused.open_state, three.open_state) and torch.equal(fused.open_tokens, three.open_tokens)

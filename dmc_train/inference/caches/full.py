@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PageLoan
-from kernels.paged import DecodePlan, appends_in_attention_call, paged_append_attention, paged_append_decode
+from kernels.paged import DecodePlan, appends_in_attention_call, decode_attention, paged_append_decode
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -103,13 +103,13 @@ class FullCache(KVCache):
 
     def compiled_attention(self, layer, num_heads):
         """In an appending step: the layer's append and attention as the compiled function the layer kernel calls
-        (:func:`kernels.paged.paged_append_attention`, built once per step)."""
+        (:func:`kernels.paged.decode_attention`, built once per step)."""
         step = self._step
         if not isinstance(step, _AppendingStep):
             return None
         if self._call is None:
             pool = self.pool
-            self._call = paged_append_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
+            self._call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
                                                 (num_heads, self.num_kv_heads), self.scale, *step.loan) or False
         return self._call and self._call.for_rows(step.rows[layer])
 

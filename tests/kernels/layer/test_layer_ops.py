@@ -110,3 +110,51 @@ def test_no_rows_and_inconsistent_shapes():
         rms_norm_matmul(x, w["norm"], 1e-5, w["qkv"], tables(2), HEADS + KV_HEADS, D)  # tables of 2 rows
     with pytest.raises(ValueError, match="layer_output: inconsistent shapes"):
         layer_output(x, torch.randn(3, HEADS * D), w["o"], w["norm"], 1e-5, w["gate_up"], w["gate_up"])
+
+
+def _append_pool(lens: list[int], page_size: int = 4):
+    """Pages and table of rows ``0..len(lens)-1`` (one page each, lengths ``lens``), 4 spare pages."""
+    n = len(lens)
+    table = torch.full((n, 3), -1, dtype=torch.int32)
+    table[:, 0] = torch.arange(n, dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    return {"k_pages": torch.randn(n + 4, page_size, D, generator=g), "v_pages": torch.randn(n + 4, page_size, D,
+                                                                                            generator=g),
+            "block_table": table, "seq_lens": torch.tensor(lens, dtype=torch.int32),
+            "spare": torch.arange(n, n + 4, dtype=torch.int32), "spare_left": torch.tensor([4])}
+
+
+def test_a_layer_with_a_compiled_attention_is_its_three_calls():
+    """layer_decode (the projection, a cache's append and attention called by address, the output) equals
+    rms_norm_matmul, paged_append_decode and layer_output bit for bit, pages included; layer_attend_output the same
+    from the heads on; too few spare pages: the attention's one-line error, nothing changed."""
+    from kernels.layer import layer_attend_output, layer_decode
+    from kernels.paged import decode_attention, paged_append_decode
+
+    t, w = 3, weights(7)
+    x, rope = torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(8)), tables(t)
+    rows = torch.arange(t * KV_HEADS)
+    lens = [3, 4, 1, 2, 4, 1]  # two rows at a full page: they take spare pages
+    a, b, c = _append_pool(lens), _append_pool(lens), _append_pool(lens)
+    heads = rms_norm_matmul(x, w["norm"], 1e-5, w["qkv"], rope, HEADS + KV_HEADS, D)[0].view(t, -1, D)
+    q, k, v = heads.split((HEADS, KV_HEADS, KV_HEADS), 1)
+    attn = paged_append_decode(a["k_pages"], a["v_pages"], a["block_table"], a["seq_lens"], rows, k, v,
+                               q.contiguous().view(t * KV_HEADS, -1, D), 0.25, a["spare"], a["spare_left"])
+    want = layer_output(x, attn.view(t, -1), w["o"], w["norm"], 1e-5, w["gate_up"], w["down"])
+    call = decode_attention(b["k_pages"], b["v_pages"], b["block_table"], b["seq_lens"], (HEADS, KV_HEADS), 0.25,
+                            b["spare"], b["spare_left"]).for_rows(rows)
+    got = layer_decode(x, w["norm"], 1e-5, w["qkv"], rope, HEADS + KV_HEADS, D, call, w["o"], w["norm"],
+                       w["gate_up"], w["down"])
+    assert torch.equal(got, want)
+    call = decode_attention(c["k_pages"], c["v_pages"], c["block_table"], c["seq_lens"], (HEADS, KV_HEADS), 0.25,
+                            c["spare"], c["spare_left"]).for_rows(rows)
+    assert torch.equal(layer_attend_output(x, heads, call, w["o"], w["norm"], 1e-5, w["gate_up"], w["down"]), want)
+    for name in a:
+        assert torch.equal(a[name], b[name]) and torch.equal(a[name], c[name]), name
+    assert int(a["spare_left"]) == 2
+    c["spare_left"][0], c["seq_lens"][:] = 1, 4  # six rows at a full page, one spare page
+    before = {name: t.clone() for name, t in c.items()}
+    with pytest.raises(ValueError, match="need more pages than the 1 spare ones left"):
+        layer_attend_output(x, heads, call, w["o"], w["norm"], 1e-5, w["gate_up"], w["down"])
+    for name in c:
+        assert torch.equal(c[name], before[name]), name
