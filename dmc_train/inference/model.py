@@ -152,6 +152,7 @@ class LlamaForInference:
         self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32)
                                       for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0, 1.0))
         self.channel_shift = (-self.decision_scalars[0]).expand(hk)  # k - c0 (alpha_logit)
+        self.decision_floats = (dmc.decision_threshold, dmc.init_offset, dmc.omega_eps)  # for the compiled layer
 
     @property
     def default_cache(self) -> str:
@@ -228,6 +229,23 @@ class LlamaForInference:
         alpha, omega = torch.where(logit > threshold, one, zero), decisions.importance(q_dec, offset, eps)
         return alpha.transpose(1, 2).reshape(-1, hk), omega.transpose(1, 2).reshape(-1, hk)  # rows [t, H_kv]
 
+    def _decides_in_call(self, call, rule) -> bool:
+        """Hand a layer's compiled attention (``KVCache.compiled_attention``) its DMC decisions: fixed pooling's of the
+        forward, or DMC's rule (:meth:`_decision_rule`, the threshold, offset and epsilon) to take them in the call
+        from the decision channel (alpha exactly PyTorch's; omega's sigmoid in C, within a few ulp of
+        :meth:`_decisions`). False for HardC, whose heads decide together: then :meth:`_decisions` runs between two
+        calls. True without DMC."""
+        st = self.dmc
+        if rule is None:
+            return True
+        if st.pool is not None:
+            call.with_decisions(*rule)
+            return True
+        if st.shared:
+            return False
+        call.deciding(rule, *self.decision_floats)
+        return True
+
     # -- forward ----------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor],
              raw_qk: bool = False, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -269,12 +287,12 @@ class LlamaForInference:
         x = self.embed[tokens]
         for layer in self.layers:
             call = None if compiled is None else compiled(layer.index)
-            if call is not None and rule is None:
-                x = layer.decode_with(x, rope_in_input, call)
+            if call is not None and self._decides_in_call(call, rule):
+                x = layer.decode_with(x, rope_in_input, call, channel)
                 continue
             heads, channel_values = layer.attention_input(x, rope_in_input, channel)
             alpha, omega = (None, None) if rule is None else self._decisions(channel_values, rule, positions)
-            if call is not None:  # DMC: the decisions read the heads, the rest of the layer is one call
+            if call is not None:  # HardC: PyTorch's decisions over the layer's heads, the rest of the layer one call
                 x = layer.attend_output_with(x, heads, call.with_decisions(alpha, omega))
                 continue
             x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), all_reduce)

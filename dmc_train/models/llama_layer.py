@@ -100,15 +100,16 @@ class LlamaLayer:
         then :meth:`decode_with` runs."""
         return compiled_runs(self.norm_in, self.qkv_t, self.o_t, self.norm_mlp, self.gate_up_t, self.down_t)
 
-    def decode_with(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                    attention: CompiledAttention) -> torch.Tensor:
+    def decode_with(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attention: CompiledAttention,
+                    channel: Optional[int] = None) -> torch.Tensor:
         """The layer's output ``[t, hidden]`` of a decode step's tokens ``x [t, hidden]`` in one compiled call, its
         attention a compiled function over the projected heads (a cache's: ``KVCache.compiled_attention``; q and k
-        rotated by ``rope``'s tables first): :meth:`attention_input`, the attention and :meth:`attention_output`'s
+        rotated by ``rope``'s tables first; ``channel``: the attention also gets the q and k heads' values there before
+        RoPE, DMC's decision channel): :meth:`attention_input`, the attention and :meth:`attention_output`'s
         arithmetic (:func:`kernels.layer.layer_decode`; only where :meth:`runs_compiled`)."""
         h, g, _ = self.heads
         return layer_decode(x, self.norm_in, self.eps, self.qkv_t, rope, h + g, self.head_dim, attention, self.o_t,
-                            self.norm_mlp, self.gate_up_t, self.down_t)
+                            self.norm_mlp, self.gate_up_t, self.down_t, channel)
 
     def attend_output_with(self, x: torch.Tensor, heads: torch.Tensor, attention: CompiledAttention) -> torch.Tensor:
         """:meth:`decode_with` from the layer's ``heads`` (:meth:`attention_input`'s) on: the attention and

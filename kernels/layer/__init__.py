@@ -40,8 +40,9 @@ __all__ = ["CompiledAttention", "rms_norm", "rotate", "rms_norm_matmul", "layer_
 
 
 class CompiledAttention(Protocol):
-    """An attention the layer kernel calls by address: ``function(context, heads [t, H + 2 H_kv, d], out [t, width])
-    -> int`` (0, or a code :meth:`check` raises as the error), fp32 C arrays."""
+    """An attention the layer kernel calls by address: ``function(context, heads [t, H + 2 H_kv, d], channel [t, H +
+    H_kv] or NULL, out [t, width]) -> int`` (0, or a code :meth:`check` raises as the error), fp32 C arrays;
+    ``channel``: the q and k heads' values at the decision channel before RoPE, when the layer call was given one."""
 
     function: int
     context: int
@@ -83,13 +84,14 @@ def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight:
 
 def layer_decode(x: torch.Tensor, norm_in: torch.Tensor, eps: float, qkv_w: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], rope_heads: int, head_dim: int, attention: CompiledAttention,
-                 o_w: torch.Tensor, norm_mlp: torch.Tensor, gate_up_w: torch.Tensor,
-                 down_w: torch.Tensor) -> torch.Tensor:
+                 o_w: torch.Tensor, norm_mlp: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor,
+                 channel: Optional[int] = None) -> torch.Tensor:
     """A decode step's whole layer in one compiled call: :func:`rms_norm_matmul` (with RoPE of the first
-    ``rope_heads`` heads), the ``attention`` over the heads, :func:`layer_output`: the same arithmetic as the three
-    calls. CPU, fp32, contiguous (:func:`compiled_runs`): the caller checks that it runs."""
+    ``rope_heads`` heads), the ``attention`` over the heads (with ``channel``, also given those heads' values at that
+    channel before RoPE: DMC's decision channel), :func:`layer_output`: the same arithmetic as the three calls. CPU,
+    fp32, contiguous (:func:`compiled_runs`): the caller checks that it runs."""
     return layer_decode_cpu(x, norm_in, eps, qkv_w, rope, rope_heads, head_dim, attention, o_w, norm_mlp, gate_up_w,
-                            down_w)
+                            down_w, channel)
 
 
 def layer_attend_output(x: torch.Tensor, heads: torch.Tensor, attention: CompiledAttention, o_w: torch.Tensor,

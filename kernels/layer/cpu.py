@@ -47,8 +47,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.rms_norm_matmul_f32.argtypes = [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.layer_output_f32.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.layer_attend_output_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr]
-    lib.layer_decode_f32.argtypes = [ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr,
-                                     ptr, ptr, ptr, i64, ptr]
+    lib.layer_decode_f32.argtypes = [ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64,
+                                     ptr, ptr, ptr, ptr, i64, ptr]
     return lib
 
 
@@ -104,20 +104,21 @@ def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w) -> tor
 
 
 def layer_decode_cpu(x, norm_in, eps: float, qkv_w, rope, rope_heads: int, head_dim: int, attention, o_w, norm_mlp,
-                     gate_up_w, down_w) -> torch.Tensor:
+                     gate_up_w, down_w, channel: Optional[int] = None) -> torch.Tensor:
     """:func:`kernels.layer.layer_decode` by the compiled kernel (inputs fp32 and contiguous)."""
     (t, h), n, f = x.shape, qkv_w.shape[1], down_w.shape[0]
     cos, sin = rope
     ok = (qkv_w.shape[0] == h and norm_in.shape == norm_mlp.shape == (h,) and cos.shape == (t, head_dim)
           and sin.dim() == 3 and sin.shape[0] == t and sin.shape[1] in (1, rope_heads) and sin.shape[2] == head_dim
           and rope_heads * head_dim <= n and o_w.shape == (attention.width, h) and gate_up_w.shape == (h, 2 * f)
-          and down_w.shape[1] == h)
+          and down_w.shape[1] == h and (channel is None or 0 <= channel < head_dim))
     _check("layer_decode", ok, {"x": x, "qkv_w": qkv_w, "cos": cos, "sin": sin, "o_w": o_w, "gate_up_w": gate_up_w,
                                 "down_w": down_w})
     y = torch.empty(t, h)
     code = library().layer_decode_f32(
         x.data_ptr(), norm_in.data_ptr(), eps, qkv_w.data_ptr(), t, h, n, cos.data_ptr(), sin.data_ptr(),
-        sin.shape[1], rope_heads, head_dim, attention.function, attention.context, attention.width, o_w.data_ptr(),
+        sin.shape[1], rope_heads, head_dim, -1 if channel is None else channel, attention.function, attention.context,
+        attention.width, o_w.data_ptr(),
         norm_mlp.data_ptr(), gate_up_w.data_ptr(), down_w.data_ptr(), f, y.data_ptr())
     _raise_for("layer_decode", code, t, attention)
     return y

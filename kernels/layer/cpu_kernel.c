@@ -126,35 +126,46 @@ int layer_output_f32(const float *x, const float *attn, const float *o_w, const 
 }
 
 /* A decode step's layer from its projected heads [t, n] on, its attention given as a C function (a cache's,
- * kernels/paged's decode_call_f32, passed by address with its context): attn [t, a] = attention(ctx, heads, attn),
- * then y = layer_output_f32. Returns 0, the attention's nonzero code (the output is not computed then), or -1 when
- * out of memory. */
-typedef int (*attention_fn)(const void *ctx, const float *heads, float *attn);
+ * kernels/paged's decode_call_f32, passed by address with its context): attn [t, a] = attention(ctx, heads, channel,
+ * attn) (channel: the heads' decision-channel values before RoPE [t, rope_heads], or NULL), then y =
+ * layer_output_f32. Returns 0, the attention's nonzero code (the output is not computed then), or -1 when out of
+ * memory. */
+typedef int (*attention_fn)(const void *ctx, const float *heads, const float *channel, float *attn);
 
-int layer_attend_output_f32(const float *x, const float *heads, void *attention, const void *ctx, int64_t a,
-                            const float *o_w, const float *norm_mlp_w, float eps, const float *gate_up_w,
-                            const float *down_w, int64_t t, int64_t h, int64_t f, float *y) {
+static int attend_output(const float *x, const float *heads, const float *channel, void *attention, const void *ctx,
+                         int64_t a, const float *o_w, const float *norm_mlp_w, float eps, const float *gate_up_w,
+                         const float *down_w, int64_t t, int64_t h, int64_t f, float *y) {
   float *attn = scratch(t * a);
   int code = -1;
   if (attn) {
-    code = ((attention_fn)attention)(ctx, heads, attn);
+    code = ((attention_fn)attention)(ctx, heads, channel, attn);
     if (!code && layer_output_f32(x, attn, o_w, norm_mlp_w, eps, gate_up_w, down_w, y, t, h, a, f)) code = -1;
   }
   free(attn);
   return code;
 }
 
-/* The whole layer: heads [t, n] = rms_norm_matmul_f32 (RoPE of the first rope_heads heads), then
+int layer_attend_output_f32(const float *x, const float *heads, void *attention, const void *ctx, int64_t a,
+                            const float *o_w, const float *norm_mlp_w, float eps, const float *gate_up_w,
+                            const float *down_w, int64_t t, int64_t h, int64_t f, float *y) {
+  return attend_output(x, heads, NULL, attention, ctx, a, o_w, norm_mlp_w, eps, gate_up_w, down_w, t, h, f, y);
+}
+
+/* The whole layer: heads [t, n] = rms_norm_matmul_f32 (RoPE of the first rope_heads heads; channel >= 0: their
+ * values at that channel before RoPE handed to the attention too), then the attention and the output as
  * layer_attend_output_f32. */
 int layer_decode_f32(const float *x, const float *norm_in_w, float eps, const float *qkv_w, int64_t t, int64_t h,
                      int64_t n, const float *cos, const float *sin, int64_t sin_heads, int64_t rope_heads,
-                     int64_t head_dim, void *attention, const void *ctx, int64_t a, const float *o_w,
-                     const float *norm_mlp_w, const float *gate_up_w, const float *down_w, int64_t f, float *y) {
-  float *heads = scratch(t * n);
+                     int64_t head_dim, int64_t channel, void *attention, const void *ctx, int64_t a,
+                     const float *o_w, const float *norm_mlp_w, const float *gate_up_w, const float *down_w,
+                     int64_t f, float *y) {
+  float *heads = scratch(t * n), *values = channel >= 0 ? scratch(t * rope_heads) : NULL;
   int code = -1;
-  if (heads && !rms_norm_matmul_f32(x, norm_in_w, eps, qkv_w, heads, t, h, n, cos, sin, sin_heads, rope_heads,
-                                    head_dim, 0, NULL))
-    code = layer_attend_output_f32(x, heads, attention, ctx, a, o_w, norm_mlp_w, eps, gate_up_w, down_w, t, h, f, y);
+  if (heads && (channel < 0 || values) &&
+      !rms_norm_matmul_f32(x, norm_in_w, eps, qkv_w, heads, t, h, n, cos, sin, sin_heads, rope_heads, head_dim,
+                           channel < 0 ? 0 : channel, values))
+    code = attend_output(x, heads, values, attention, ctx, a, o_w, norm_mlp_w, eps, gate_up_w, down_w, t, h, f, y);
   free(heads);
+  free(values);
   return code;
 }

@@ -51,7 +51,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.dmc_update_f32.argtypes = dmc_step + [ptr]
     lib.decode_step_f32.argtypes = dmc_step + [ptr, i64, ctypes.c_float, ptr, i32]
     lib.dmc_update_f32.restype = lib.decode_step_f32.restype = ctypes.c_int
-    lib.decode_call_f32.argtypes = [ptr, ptr, ptr]
+    lib.decode_call_f32.argtypes = [ptr, ptr, ptr, ptr]
     lib.decode_call_f32.restype = ctypes.c_int
     return lib
 
@@ -197,8 +197,9 @@ class _DecodeCall(ctypes.Structure):
                 ("kv_heads", ctypes.c_int64), ("token_stride", ctypes.c_int64), ("spare", ctypes.c_void_p),
                 ("left", ctypes.c_void_p), ("alpha", ctypes.c_void_p), ("omega", ctypes.c_void_p),
                 ("state", ctypes.c_void_p), ("s_row", ctypes.c_int64), ("s_ring", ctypes.c_int64),
-                ("ring", ctypes.c_int64), ("open_tokens", ctypes.c_void_p), ("scale", ctypes.c_float),
-                ("num_threads", ctypes.c_int)]
+                ("ring", ctypes.c_int64), ("open_tokens", ctypes.c_void_p), ("shift", ctypes.c_void_p),
+                ("threshold", ctypes.c_float), ("offset", ctypes.c_float), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
 
 
 class DecodeAttention:
@@ -206,7 +207,8 @@ class DecodeAttention:
     state :func:`kernels.paged.dmc_decode`) as a C function a layer kernel calls with its projected heads
     (:func:`kernels.layer.layer_decode`, :func:`kernels.layer.layer_attend_output`): ``function`` (the address of
     ``decode_call_f32``) and ``context`` (the address of its arguments) for the rows given by :meth:`for_rows` (and
-    DMC's decisions by :meth:`with_decisions`), ``width`` (``H d_v``, the attention's values per token) and
+    DMC's decisions by :meth:`with_decisions`, or the rule to take them in the call by :meth:`deciding`), ``width``
+    (``H d_v``, the attention's values per token) and
     :meth:`check` (the call's return code as an error). Built by :func:`kernels.paged.decode_attention`; keeps the
     tensors it points into alive."""
 
@@ -221,7 +223,8 @@ class DecodeAttention:
         self.call = _DecodeCall(None, 0, seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                 block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[1], d, dv,
                                 h // kv, kv, (h + kv) * d + kv * dv, spare.data_ptr(), spare_left.data_ptr(), None,
-                                None, *state, _ptr(open_tokens), scale, torch.get_num_threads())
+                                None, *state, _ptr(open_tokens), None, 0.0, 0.0, 0.0, scale,
+                                torch.get_num_threads())
         self.function = ctypes.cast(library().decode_call_f32, ctypes.c_void_p).value
         self.context = ctypes.addressof(self.call)
 
@@ -237,8 +240,22 @@ class DecodeAttention:
         them; :func:`kernels.paged.dmc_cache_update`)."""
         self._decisions = tuple(_f32(t).contiguous() for t in (alpha, omega))
         self.call.alpha, self.call.omega = (t.data_ptr() for t in self._decisions)
+        self.call.shift = None
+        return self
+
+    def deciding(self, shift: torch.Tensor, threshold: float, offset: float, eps: float) -> "DecodeAttention":
+        """DMC's decisions taken in the call from the decision channel's values before RoPE, which the layer kernel
+        hands over (:func:`kernels.layer.layer_decode` with ``channel``): ``alpha = [k_c + shift > threshold]``,
+        exactly PyTorch's add and compare; ``omega = sigmoid(mean over the KV head's query heads of q_c + offset) +
+        eps``, within a few ulp of :func:`kernels.dmc.decisions.omega` (a scalar sigmoid in C, not PyTorch's
+        vectorised one). ``shift [B, H_kv]`` fp32 contiguous: ``-c0``, ``-inf`` at a sequence's first token."""
+        self._decisions = (shift,)
+        self.call.shift, self.call.threshold, self.call.offset, self.call.eps = shift.data_ptr(), threshold, offset, eps
+        self.call.alpha = self.call.omega = None
         return self
 
     def check(self, code: int) -> None:
         """Raise the error of the call's nonzero ``code`` (nothing changed)."""
+        if code == 3:
+            raise ValueError("a DMC decode step needs its decisions: with_decisions(alpha, omega) or deciding(...)")
         _check_pages_taken(code, self._spare_left, self._max_pages)

@@ -353,8 +353,9 @@ int decode_step_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, 
  * them (kernels/layer's layer_decode_f32 and layer_attend_output_f32, which call this by address between the
  * projection and the output): heads [B, token_stride] per token, its H = kv_heads * groups query heads of d values,
  * then the kv_heads keys, then the values (dv each), row r = b * kv_heads + j being token b's KV head j; out [B, H *
- * dv]. DMC with the open-slot state (state, alpha, omega [n] set), else a plain append; the rest as decode_step_f32
- * (rows [n], n = B * kv_heads). */
+ * dv]. DMC with the open-slot state: the decisions alpha, omega [n] given, or (shift set) decided here from the
+ * decision channel's values before RoPE, channel [B, H + kv_heads] (decide); else a plain append. The rest as
+ * decode_step_f32 (rows [n], n = B * kv_heads). */
 struct decode_call {
   const int64_t *rows;
   int64_t n;
@@ -368,13 +369,43 @@ struct decode_call {
   float *state;
   int64_t s_row, s_ring, ring;
   int64_t *open_tokens;
+  const float *shift; /* [B, kv_heads]: added to the key's channel (DMC's -c0, -inf at a sequence's first token) */
+  float threshold, offset, eps;
   float scale;
   int num_threads;
 };
 
-int decode_call_f32(const struct decode_call *c, const float *heads, float *out) {
+/* DMC's decisions of row r (token b, KV head j) from the channel values: alpha = [k_c + shift > threshold] exactly as
+ * PyTorch's add and compare; omega = sigmoid(mean of the group's q_c + offset) + eps, the sigmoid and the mean within
+ * a few ulp of PyTorch's vectorised ones. */
+static void decide(const struct decode_call *c, const float *channel, float *alpha, float *omega) {
+  const int64_t kv = c->kv_heads, groups = c->groups, width = kv * groups + kv;
+  for (int64_t r = 0; r < c->n; ++r) {
+    const float *token = channel + (r / kv) * width;
+    const int64_t j = r % kv;
+    alpha[r] = token[kv * groups + j] + c->shift[r] > c->threshold ? 1.f : 0.f;
+    float q = 0.f;
+    for (int64_t g = 0; g < groups; ++g) q += token[j * groups + g];
+    q = groups == 1 ? q : q / (float)groups;
+    omega[r] = 1.f / (1.f + expf(-(q + c->offset))) + c->eps;
+  }
+}
+
+/* Returns 0, take_pages' code, 3 when a DMC step has no decisions, -1 when out of memory. */
+int decode_call_f32(const struct decode_call *c, const float *heads, const float *channel, float *out) {
   const int64_t d = c->d, kv = c->kv_heads, q_width = kv * c->groups * d;
-  const struct dmc_step s = {.rows = c->rows, .alpha = c->alpha, .omega = c->omega, .k = heads + q_width,
+  float *decided = NULL;
+  const float *alpha = c->alpha, *omega = c->omega;
+  if (c->state && channel && c->shift) {
+    decided = malloc(sizeof(float) * 2 * (c->n ? c->n : 1));
+    if (!decided) return -1;
+    decide(c, channel, decided, decided + c->n);
+    alpha = decided;
+    omega = decided + c->n;
+  } else if (c->state && !alpha) {
+    return 3;
+  }
+  const struct dmc_step s = {.rows = c->rows, .alpha = alpha, .omega = omega, .k = heads + q_width,
                              .sk_outer = c->token_stride, .sk_inner = d, .v = heads + q_width + kv * d,
                              .sv_outer = c->token_stride, .sv_inner = c->dv, .inner = kv, .state = c->state,
                              .s_row = c->s_row, .s_ring = c->s_ring, .open_tokens = c->open_tokens,
@@ -382,12 +413,14 @@ int decode_call_f32(const struct decode_call *c, const float *heads, float *out)
                              .max_pages = c->max_pages, .k_pages = c->k_pages, .v_pages = c->v_pages, .n = c->n,
                              .ring = c->ring, .d = d, .dv = c->dv, .page_size = c->page_size};
   const int failed = take_pages(&s, c->spare, c->left);
-  if (failed) return failed;
-  const struct attention a = {.q = heads, .q_inner = kv, .q_outer = c->token_stride, .k_pages = c->k_pages,
-                              .v_pages = c->v_pages, .block_table = c->block_table, .rows = c->rows,
-                              .table_stride = c->table_stride, .groups = c->groups, .page_size = c->page_size,
-                              .scale = c->scale, .out = out};
+  if (!failed) {
+    const struct attention a = {.q = heads, .q_inner = kv, .q_outer = c->token_stride, .k_pages = c->k_pages,
+                                .v_pages = c->v_pages, .block_table = c->block_table, .rows = c->rows,
+                                .table_stride = c->table_stride, .groups = c->groups, .page_size = c->page_size,
+                                .scale = c->scale, .out = out};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(c->num_threads)
-  for (int64_t r = 0; r < c->n; ++r) attend_row_sized(&a, r, update_row(&s, r), d, c->dv, NULL);
-  return 0;
+    for (int64_t r = 0; r < c->n; ++r) attend_row_sized(&a, r, update_row(&s, r), d, c->dv, NULL);
+  }
+  free(decided);
+  return failed;
 }
