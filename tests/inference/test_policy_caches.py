@@ -142,6 +142,30 @@ def test_decode_reserves_no_page_for_a_full_row(make_model):
     assert engine.cache.decode_pages_needed([engine.running[0].id]) == [0]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pages_needed_read_from_one_row_per_sequence_count_every_row(schedule):
+    """A decode step's pages needed, read from one row per sequence, are the count over every row of it (a row
+    whose last page is full and, with the decode schedule, below its budget), before every step of a ragged batch
+    whose rows cross page boundaries and reach the budget."""
+    model = LlamaForInference(SHAPE, random_weights(SHAPE))
+    cache = build_cache("h2o", new_pool(), model, {"budget": 40, "schedule": schedule})
+    g = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (60, 35, 50)]
+    checked = []
+
+    def count(seq_ids):
+        lens = cache.pool.seq_lens[cache.batch_rows(seq_ids).flatten(1)].long()  # every row: [B, layers * H_kv]
+        grows = lens < 40 if schedule == "decode" else torch.ones_like(lens, dtype=torch.bool)
+        want = ((lens % cache.pool.page_size == 0) & grows).sum(1).tolist()
+        checked.append(want)
+        assert cache.decode_pages_needed(seq_ids) == want
+
+    original = cache.begin_decode
+    cache.begin_decode = lambda seq_ids: (count(seq_ids), original(seq_ids))
+    teacher_forced_decode(model, cache, sequences, [5, 15, 2])
+    assert any(sum(w) for w in checked) and any(not sum(w) for w in checked)
+
+
 @pytest.mark.parametrize("cache, options, message", [
     ("lsh_e", {"budget": 12}, "smaller than lsh_e's fixed part (4 sink + 10 recent"),
     ("streaming_llm", {"budget": 4}, "must be larger than streaming_llm's 4 sink entries"),

@@ -299,8 +299,9 @@ class EvictingCache(KVCache):
         return out.view(b, -1, out.shape[-1])
 
     def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:
-        """A page for every row below its budget whose last page is full; a full row takes none."""
-        if not self.evicting:
-            return super().decode_pages_needed(seq_ids)
-        lens = self.pool.seq_lens[self.batch_rows(seq_ids).flatten(1)].long()  # [B, layers * H_kv]
-        return ((lens % self.pool.page_size == 0) & (lens < self.budget)).sum(1).tolist()
+        """A page for every row below its budget whose last page is full; a full row takes none. Every row of a
+        sequence holds the same number of entries (:class:`DecodeStep`): one row is read per sequence."""
+        lens = self.pool.seq_lens[self.batch_rows(seq_ids)[:, 0, 0]].tolist()
+        rows = self.num_layers * self.num_kv_heads
+        return [rows if n % self.pool.page_size == 0 and not (self.evicting and n >= self.budget) else 0
+                for n in lens]
