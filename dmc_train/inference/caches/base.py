@@ -31,12 +31,13 @@ constant-size per-row state fed with the evicted (k, v) pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.inference.pool import PageLoan, PagePool
+from kernels.paged import decode_attention
 
 
 @dataclass
@@ -60,6 +61,30 @@ class TokenInfo:
         return TokenInfo(self.positions[:, part], alpha, omega, self.rotate)
 
 
+@dataclass
+class LentStep:
+    """A decode step whose layers take their pages as they append (:meth:`KVCache.begin_lent_step`): its
+    ``seq_ids``, every layer's ``rows [layers, B * H_kv]`` (sequence-major), the pages lent to it, and the step as a
+    compiled function for the layer kernels (``call``: built at the first layer that asks, :meth:`attention`)."""
+
+    seq_ids: tuple
+    rows: torch.Tensor
+    loan: PageLoan
+    call: Any = None  # kernels.paged.DecodeAttention, or False where the compiled kernel does not run
+
+    def attention(self, cache: "KVCache", layer: int, num_heads: int, open_state: Optional[torch.Tensor] = None,
+                  open_tokens: Optional[torch.Tensor] = None):
+        """Layer ``layer``'s part of the step as the compiled function its kernel calls
+        (:func:`kernels.paged.decode_attention`: a plain append, or DMC's update with the open-slot state), or
+        None where it does not run."""
+        if self.call is None:
+            pool = cache.pool
+            self.call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
+                                         (num_heads, cache.num_kv_heads), cache.scale, *self.loan, open_state,
+                                         open_tokens) or False
+        return self.call.for_rows(self.rows[layer]) if self.call else None
+
+
 class KVCache:
     """Base class: rows per sequence, release, byte accounting, paged decode attention."""
 
@@ -77,6 +102,7 @@ class KVCache:
         self.pool, self.num_layers, self.num_kv_heads, self.scale = pool, num_layers, num_kv_heads, scale
         self.rows: dict[int, torch.Tensor] = {}
         self._batch_key, self._batch_rows = None, None
+        self._step_rows = None  # (batch rows, rows [layers, B * H_kv]) while the batch is unchanged (step_rows)
 
     # -- sequences --------------------------------------------------------------------------------
     def add(self, seq_id: int, max_new_tokens: int = 0) -> None:
@@ -135,6 +161,20 @@ class KVCache:
         rows = self.batch_rows(seq_ids).flatten(1)  # [B, layers * H_kv]
         full = self.pool.seq_lens[rows].long() % self.pool.page_size == 0
         return full.sum(1).tolist()
+
+    def step_rows(self, seq_ids: list[int]) -> torch.Tensor:
+        """Every layer's rows of ``seq_ids``, ``[layers, B * H_kv]`` (sequence-major, contiguous), kept while the
+        batch is unchanged."""
+        batch = self.batch_rows(seq_ids)
+        if self._step_rows is None or self._step_rows[0] is not batch:
+            self._step_rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1))
+        return self._step_rows[1]
+
+    def begin_lent_step(self, seq_ids: list[int]) -> LentStep:
+        """A decode step of ``seq_ids`` whose layers take the pages their appends need from a loan
+        (:meth:`lend_step_pages`); the cache's ``end_decode`` settles it (``pool.settle(step.loan)``)."""
+        rows = self.step_rows(seq_ids)
+        return LentStep(tuple(seq_ids), rows, self.lend_step_pages(rows))
 
     def lend_step_pages(self, rows: torch.Tensor) -> PageLoan:
         """The pages a decode step's appends over ``rows`` (any shape) may take, lent by the pool

@@ -26,16 +26,16 @@ slot's state are written — never token by token.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from dmc_train.errors import InferenceError
-from dmc_train.inference.caches.base import KVCache, TokenInfo
+from dmc_train.inference.caches.base import KVCache, LentStep, TokenInfo
 from dmc_train.inference.pool import PageLoan, PagePool
 from dmc_train.models.dmc_settings import DMCSettings
 from kernels.dmc import dmc_attention, partial_accumulation
-from kernels.paged import decode_attention, dmc_cache_update, dmc_decode
+from kernels.paged import dmc_cache_update, dmc_decode
 
 
 def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo, settings: DMCSettings,
@@ -54,24 +54,13 @@ def teacher_forced_dmc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: 
     return out, k_t, v_t
 
 
-class _DecodeStep(NamedTuple):
-    """What :meth:`DMCCache.begin_decode` prepares for every layer of a decode step: the step's ``seq_ids``, the
-    rows ``[L, R]`` (``R = B H_kv``, sequence-major) and the pages lent to their appends."""
-
-    seq_ids: tuple
-    rows: torch.Tensor
-    loan: PageLoan
-
-
 class DMCCache(KVCache):
     """Algorithm 1 over the page pool (module docstring)."""
 
     name = "dmc"
     needs_decisions = True
     prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
-    _step: Optional[_DecodeStep] = None  # the decode step begun
-    _rows = None  # (batch rows, rows [layers, B * H_kv]) while the batch is unchanged
-    _call = None  # the step as a compiled function (compiled_attention), or False where none runs
+    _step: Optional[LentStep] = None  # the decode step begun
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)
@@ -126,15 +115,11 @@ class DMCCache(KVCache):
         kernel)."""
         if self._step is not None:
             raise InferenceError("a DMC decode step began before the previous one ended (end_decode)")
-        batch = self.batch_rows(seq_ids)
-        if self._rows is None or self._rows[0] is not batch:
-            self._rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1))  # [L, B * H_kv]
-        rows = self._rows[1]
-        self._step, self._call = _DecodeStep(tuple(seq_ids), rows, self.lend_step_pages(rows)), None
+        self._step = self.begin_lent_step(seq_ids)
 
     def end_decode(self):
         """Take the pages the step's appends took off the free list."""
-        step, self._step, self._call = self._step, None, None
+        step, self._step = self._step, None
         if step is not None:
             self.pool.settle(step.loan)
 
@@ -144,12 +129,7 @@ class DMCCache(KVCache):
         the model hands it the layer's decisions). Asked only with ``rope_order=post`` (the keys arrive rotated)."""
         if self._step is None:
             return None
-        if self._call is None:
-            pool = self.pool
-            self._call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
-                                          (num_heads, self.num_kv_heads), self.scale, *self._step.loan,
-                                          self.open_state, self.open_tokens) or False
-        return self._call and self._call.for_rows(self._step.rows[layer])
+        return self._step.attention(self, layer, num_heads, self.open_state, self.open_tokens)
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         """One token per sequence: Algorithm 1 on each row's open slot, which grows the appending rows by one entry,

@@ -7,9 +7,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from dmc_train.inference.caches.base import KVCache, TokenInfo
-from dmc_train.inference.pool import PageLoan
-from kernels.paged import DecodePlan, appends_in_attention_call, decode_attention, paged_append_decode
+from dmc_train.inference.caches.base import KVCache, LentStep, TokenInfo
+from kernels.paged import DecodePlan, appends_in_attention_call, paged_append_decode
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -26,22 +25,13 @@ class _PlannedStep(NamedTuple):
     plan: DecodePlan
 
 
-class _AppendingStep(NamedTuple):
-    """A decode step whose layers append as they attend: the ``rows [layers, B * H_kv]`` and the pages lent."""
-
-    seq_ids: tuple
-    rows: torch.Tensor
-    loan: PageLoan
-
-
 class FullCache(KVCache):
     """Keeps everything; attention as in training (causal at prefill, over all entries at decode)."""
 
     name = "full"
     prefill_equals_decode = True
-    _step: Optional[Union[_PlannedStep, _AppendingStep]] = None  # the decode step begun
-    _tables = None  # (batch rows, rows [layers, B * H_kv], their block table or None) while the batch is unchanged
-    _call = None  # the appending step as a compiled function (compiled_attention), or False where none runs
+    _step: Optional[Union[_PlannedStep, LentStep]] = None  # the decode step begun
+    _table = None  # (rows [layers, B * H_kv], their block table) of the planned steps while the batch is unchanged
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
         n = k.shape[2]
@@ -72,20 +62,18 @@ class FullCache(KVCache):
         layer's rows of a sequence hold its tokens: equal lengths); a row takes a page only every
         ``page_size``-th step: in the others only the lengths change, and the rows' block table (stacked per batch,
         ``[layers, B * H_kv, pages]``) is the previous step's."""
-        batch = self.batch_rows(seq_ids)
-        if self._tables is None or self._tables[0] is not batch:
-            self._tables = (batch, batch.transpose(0, 1).flatten(1), None)  # rows [layers, B * H_kv]
-        _, rows, table = self._tables
         if appends_in_attention_call(self.pool.k_pages.device, self.pool.dtype):
-            self._tables = (batch, rows, None)  # rows take pages in the kernel: a kept table would go stale
-            self._step, self._call = _AppendingStep(tuple(seq_ids), rows, self.lend_step_pages(rows)), None
+            self._table = None  # rows take pages in the kernel: a kept table would go stale
+            self._step = self.begin_lent_step(seq_ids)
             return
+        rows = self.step_rows(seq_ids)
+        table = self._table[1] if self._table is not None and self._table[0] is rows else None
         lens = self.pool.seq_lens[rows[0]].long()
         grown = lens + 1
         if table is None or bool((lens % self.pool.page_size == 0).any()):  # some row takes a page
             self.pool.grow(rows.flatten(), grown.repeat(self.num_layers))
             table = self.pool.block_table[rows]
-            self._tables = (batch, rows, table)
+            self._table = (rows, table)
         else:
             self.pool.seq_lens[rows] = grown.to(self.pool.seq_lens.dtype)
         self._step = _PlannedStep(tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan_table(table, grown))
@@ -97,21 +85,15 @@ class FullCache(KVCache):
         return [self.num_layers * self.num_kv_heads if n % self.pool.page_size == 0 else 0 for n in lens]
 
     def end_decode(self):
-        step, self._step, self._call = self._step, None, None
-        if isinstance(step, _AppendingStep):
+        step, self._step = self._step, None
+        if isinstance(step, LentStep):
             self.pool.settle(step.loan)
 
     def compiled_attention(self, layer, num_heads):
         """In an appending step: the layer's append and attention as the compiled function the layer kernel calls
         (:func:`kernels.paged.decode_attention`, built once per step)."""
         step = self._step
-        if not isinstance(step, _AppendingStep):
-            return None
-        if self._call is None:
-            pool = self.pool
-            self._call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
-                                                (num_heads, self.num_kv_heads), self.scale, *step.loan) or False
-        return self._call and self._call.for_rows(step.rows[layer])
+        return step.attention(self, layer, num_heads) if isinstance(step, LentStep) else None
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         b, h, d = q.shape
@@ -125,7 +107,7 @@ class FullCache(KVCache):
                 out = paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
                                           step.rows[layer], k, v, q, self.scale, *step.loan)
             return out.view(b, h, -1)
-        self._tables = None  # a layer grows its rows alone: the next step takes its block table again
+        self._table = None  # a layer grows its rows alone: the next step takes its block table again
         k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
         rows = self.layer_rows(layer, seq_ids).flatten()
         lens = self.pool.seq_lens[rows].long()
