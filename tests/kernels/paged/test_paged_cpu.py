@@ -166,6 +166,16 @@ def test_the_dmc_update_equals_the_pytorch_path_bit_for_bit(ring, pattern):
         assert torch.equal(a, b)
 
 
+def _same_runs(results):
+    """The PyTorch path's and the kernel's runs ``(outputs, tensors)``: the outputs within 1e-6, every tensor (pages,
+    table, lengths, state, spare count) bit for bit. Returns the PyTorch run's tensors."""
+    (out_torch, a), (out_cpu, b) = results
+    torch.testing.assert_close(out_cpu, out_torch, rtol=1e-6, atol=1e-6)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    return a
+
+
 def _dmc_pool(ring: int, d: int, dv: int, page_size: int):
     """A pool of 12 pages and 4 empty rows of up to 3 pages (the table -1); the open-slot state; every page spare
     (int32) and their count."""
@@ -207,10 +217,7 @@ def test_a_dmc_decode_step_takes_spare_pages_and_attends_as_the_pytorch_path(rin
             results.append((torch.stack(outs), c))
         finally:
             set_backend("auto")
-    (out_torch, a), (out_cpu, b) = results
-    torch.testing.assert_close(out_cpu, out_torch, rtol=1e-6, atol=1e-6)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    a = _same_runs(results)
     taken = 12 - int(a["spare_left"])
     assert sorted(a["block_table"][a["block_table"] >= 0].tolist()) == list(range(12 - taken, 12))
     assert a["block_table"][2, 0] == 11  # the first append (row 2) takes spare[left - 1]
@@ -273,7 +280,4 @@ def test_an_appending_decode_step_takes_spare_pages_and_attends_as_the_pytorch_p
             results.append((torch.stack(outs), c))
         finally:
             set_backend("auto")
-    (out_torch, a), (out_cpu, b) = results
-    torch.testing.assert_close(out_cpu, out_torch, rtol=1e-6, atol=1e-6)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    _same_runs(results)
