@@ -170,23 +170,24 @@ class KVCache:
             self._step_rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1))
         return self._step_rows[1]
 
-    def begin_lent_step(self, seq_ids: list[int]) -> LentStep:
+    def begin_lent_step(self, seq_ids: list[int], needed: Optional[int] = None) -> LentStep:
         """A decode step of ``seq_ids`` whose layers take the pages their appends need from a loan
-        (:meth:`lend_step_pages`); the cache's ``end_decode`` settles it (``pool.settle(step.loan)``)."""
+        (:meth:`lend_step_pages`; ``needed`` as there); the cache's ``end_decode`` settles it
+        (``pool.settle(step.loan)``)."""
         rows = self.step_rows(seq_ids)
-        return LentStep(tuple(seq_ids), rows, self.lend_step_pages(rows))
+        return LentStep(tuple(seq_ids), rows, self.lend_step_pages(rows, needed))
 
-    def lend_step_pages(self, rows: torch.Tensor) -> PageLoan:
+    def lend_step_pages(self, rows: torch.Tensor, needed: Optional[int] = None) -> PageLoan:
         """The pages a decode step's appends over ``rows`` (any shape) may take, lent by the pool
-        (:meth:`PagePool.lend_pages`): one per row, or all the free ones when fewer, then with the check (changing
-        nothing) that they cover every row whose last page is full (the most a step can take)."""
-        loan = self.pool.lend_pages(rows.numel())
-        if len(loan.pages) < rows.numel():
+        (:meth:`PagePool.lend_pages`): one for every row whose last page is full, the most a step can take
+        (``needed``: that count, when the caller knows it more cheaply). Raises :class:`OutOfPages`, changing
+        nothing, when fewer are free."""
+        if needed is None:
             needed = int((self.pool.seq_lens[rows] % self.pool.page_size == 0).sum())
-            if needed > len(loan.pages):
-                raise OutOfPages(f"out of KV pages: a decode step may take {needed}, {len(loan.pages)} free of "
-                                 f"{self.pool.num_pages}")
-        return loan
+        if needed > len(self.pool.free_pages):
+            raise OutOfPages(f"out of KV pages: a decode step may take {needed}, {len(self.pool.free_pages)} free of "
+                             f"{self.pool.num_pages}")
+        return self.pool.lend_pages(needed)
 
     def prefill_pages_bound(self, n: int) -> int:
         """Most pages a prefill of ``n`` tokens can take: every row of the sequence holding all of them (no

@@ -57,14 +57,15 @@ class FullCache(KVCache):
     def begin_decode(self, seq_ids):
         """Once per step for every layer. Where a layer's append and attention are one kernel call (the compiled CPU
         kernel, :func:`kernels.paged.paged_append_decode`) the pool lends the pages the rows may take
-        (:meth:`lend_step_pages`) and each layer's rows append as they attend. Elsewhere every row grows by one entry
+        (:meth:`lend_step_pages`: a page for every row of a sequence whose last page is full, read from one row per
+        sequence) and each layer's rows append as they attend. Elsewhere every row grows by one entry
         here, in one ``grow`` for all layers, and the slots written and the attention plan computed once (every
         layer's rows of a sequence hold its tokens: equal lengths); a row takes a page only every
         ``page_size``-th step: in the others only the lengths change, and the rows' block table (stacked per batch,
         ``[layers, B * H_kv, pages]``) is the previous step's."""
         if appends_in_attention_call(self.pool.k_pages.device, self.pool.dtype):
             self._table = None  # rows take pages in the kernel: a kept table would go stale
-            self._step = self.begin_lent_step(seq_ids)
+            self._step = self.begin_lent_step(seq_ids, sum(self.decode_pages_needed(seq_ids)))
             return
         rows = self.step_rows(seq_ids)
         table = self._table[1] if self._table is not None and self._table[0] is rows else None
