@@ -148,8 +148,19 @@ def _step_args(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v
     args = (rows.data_ptr(), _ptr(alpha), _ptr(omega), k.data_ptr(), sk_outer, sk_inner, v.data_ptr(), sv_outer,
             sv_inner, inner, state[0], state[1], state[2], _ptr(open_tokens), seq_lens.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(),
-            rows.shape[0], state[3], k.shape[-1], v.shape[-1], k_pages.shape[1], _ptr(spare), _ptr(spare_left))
+            rows.shape[0], state[3], k.shape[-1], v.shape[-1], k_pages.shape[1], _spare_ptr(spare), _ptr(spare_left))
     return args, (rows, alpha, omega, k, v)
+
+
+_NO_PAGES = torch.zeros(1, dtype=torch.int32)
+
+
+def _spare_ptr(spare: Optional[torch.Tensor]) -> Optional[int]:
+    """The kernel's ``spare`` pointer: NULL means "the caller assigned the pages", so an empty loan (whose storage
+    may be NULL) points at a page the count ``spare_left = 0`` never lets the kernel take."""
+    if spare is None:
+        return None
+    return spare.data_ptr() if spare.numel() else _NO_PAGES.data_ptr()
 
 
 def _check_pages_taken(failed: int, spare_left: Optional[torch.Tensor], max_pages: int) -> None:
@@ -222,7 +233,7 @@ class DecodeAttention:
                                                             open_state.shape[1])
         self.call = _DecodeCall(None, 0, seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                 block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[1], d, dv,
-                                h // kv, kv, (h + kv) * d + kv * dv, spare.data_ptr(), spare_left.data_ptr(), None,
+                                h // kv, kv, (h + kv) * d + kv * dv, _spare_ptr(spare), spare_left.data_ptr(), None,
                                 None, *state, _ptr(open_tokens), None, 0.0, 0.0, 0.0, scale,
                                 torch.get_num_threads())
         self.function = ctypes.cast(library().decode_call_f32, ctypes.c_void_p).value

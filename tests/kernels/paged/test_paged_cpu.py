@@ -241,6 +241,8 @@ def test_a_dmc_step_without_the_pages_it_needs_changes_nothing(backend):
         with pytest.raises(ValueError, match="need more pages than the 1 spare ones left"):
             dmc_decode(*args, torch.zeros(4), torch.ones(4), *state, torch.randn(4, 1, d), 0.5, c["spare"],
                        c["spare_left"])
+        with pytest.raises(ValueError, match="need more pages than the 0 spare ones left"):  # an empty loan
+            paged_append_decode(*args, k, v, torch.randn(4, 1, d), 0.5, c["spare"][:0], torch.tensor([0]))
         c["seq_lens"][:] = 3 * page_size  # every column of the table used
         before["seq_lens"] = c["seq_lens"].clone()
         with pytest.raises(ValueError, match="more entries than its block-table row's 3 pages"):
