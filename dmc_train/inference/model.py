@@ -152,7 +152,6 @@ class LlamaForInference:
         self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32)
                                       for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0, 1.0))
         self.channel_shift = (-self.decision_scalars[0]).expand(hk)  # k - c0 (alpha_logit)
-        self.decision_floats = (dmc.decision_threshold, dmc.init_offset, dmc.omega_eps)  # for the compiled layer
 
     @property
     def default_cache(self) -> str:
@@ -243,7 +242,7 @@ class LlamaForInference:
             return True
         if st.shared:
             return False
-        call.deciding(rule, *self.decision_floats)
+        call.deciding(rule, st.decision_threshold, st.init_offset, st.omega_eps)
         return True
 
     # -- forward ----------------------------------------------------------------------------------

@@ -139,28 +139,35 @@ def _step_args(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v
     if alpha is not None:
         alpha, omega = (_f32(t).contiguous() for t in (alpha, omega))  # N values (contiguous(): no call when it is)
     k, v = _f32(k), _f32(v)
-    if spare is not None and (spare.dtype != torch.int32 or not spare.is_contiguous() or spare_left is None
-                              or spare_left.dtype != torch.int64):
-        raise ValueError("spare pages must be a contiguous int32 tensor with an int64 count spare_left")
     (inner, sk_outer, sk_inner), (_, sv_outer, sv_inner) = _row_strides(k), _row_strides(v)
-    state = (None, 0, 0, 1) if open_state is None else (open_state.data_ptr(), *open_state.stride()[:2],
-                                                        open_state.shape[1])
+    state, s_row, s_ring, ring = _state_args(open_state)
     args = (rows.data_ptr(), _ptr(alpha), _ptr(omega), k.data_ptr(), sk_outer, sk_inner, v.data_ptr(), sv_outer,
-            sv_inner, inner, state[0], state[1], state[2], _ptr(open_tokens), seq_lens.data_ptr(),
+            sv_inner, inner, state, s_row, s_ring, _ptr(open_tokens), seq_lens.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(),
-            rows.shape[0], state[3], k.shape[-1], v.shape[-1], k_pages.shape[1], _spare_ptr(spare), _ptr(spare_left))
+            rows.shape[0], ring, k.shape[-1], v.shape[-1], k_pages.shape[1], *_loan_args(spare, spare_left))
     return args, (rows, alpha, omega, k, v)
+
+
+def _state_args(open_state: Optional[torch.Tensor]) -> tuple[Optional[int], int, int, int]:
+    """``(pointer, row stride, ring stride, ring)`` of DMC's open-slot state ``[rows, ring, width]`` for the kernel, or
+    NULL (a plain append)."""
+    if open_state is None:
+        return None, 0, 0, 1
+    return open_state.data_ptr(), open_state.stride(0), open_state.stride(1), open_state.shape[1]
 
 
 _NO_PAGES = torch.zeros(1, dtype=torch.int32)
 
 
-def _spare_ptr(spare: Optional[torch.Tensor]) -> Optional[int]:
-    """The kernel's ``spare`` pointer: NULL means "the caller assigned the pages", so an empty loan (whose storage
-    may be NULL) points at a page the count ``spare_left = 0`` never lets the kernel take."""
+def _loan_args(spare: Optional[torch.Tensor], spare_left: Optional[torch.Tensor]) -> tuple[Optional[int], ...]:
+    """The kernel's ``spare`` and ``left`` pointers of a page loan (checked: int32 pages, an int64 count). A NULL
+    ``spare`` means "the caller assigned the pages", so an empty loan (whose storage may be NULL) points at a page
+    the count ``spare_left = 0`` never lets the kernel take."""
     if spare is None:
-        return None
-    return spare.data_ptr() if spare.numel() else _NO_PAGES.data_ptr()
+        return None, None
+    if spare.dtype != torch.int32 or not spare.is_contiguous() or spare_left is None or spare_left.dtype != torch.int64:
+        raise ValueError("spare pages must be a contiguous int32 tensor with an int64 count spare_left")
+    return (spare.data_ptr() if spare.numel() else _NO_PAGES.data_ptr()), spare_left.data_ptr()
 
 
 def _check_pages_taken(failed: int, spare_left: Optional[torch.Tensor], max_pages: int) -> None:
@@ -229,12 +236,10 @@ class DecodeAttention:
         self._alive = (k_pages, v_pages, block_table, seq_lens, spare, spare_left, open_state, open_tokens)
         self._max_pages, self._spare_left, self._rows, self._decisions = block_table.shape[1], spare_left, None, None
         self.width = h * dv
-        state = (None, 0, 0, 0) if open_state is None else (open_state.data_ptr(), *open_state.stride()[:2],
-                                                            open_state.shape[1])
         self.call = _DecodeCall(None, 0, seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                 block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[1], d, dv,
-                                h // kv, kv, (h + kv) * d + kv * dv, _spare_ptr(spare), spare_left.data_ptr(), None,
-                                None, *state, _ptr(open_tokens), None, 0.0, 0.0, 0.0, scale,
+                                h // kv, kv, (h + kv) * d + kv * dv, *_loan_args(spare, spare_left), None, None,
+                                *_state_args(open_state), _ptr(open_tokens), None, 0.0, 0.0, 0.0, scale,
                                 torch.get_num_threads())
         self.function = ctypes.cast(library().decode_call_f32, ctypes.c_void_p).value
         self.context = ctypes.addressof(self.call)
