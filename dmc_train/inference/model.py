@@ -440,7 +440,7 @@ class LlamaForInference:
         # a layer in one compiled call when the cache's step is a compiled function (no RoPE left to the cache, no
         # tensor parallelism: the layer kernel then runs every part; DMC's decisions between two calls)
         fused = rotate is None and self.group is None and self.layers[0].runs_compiled()
-        compiled = (lambda layer: cache.compiled_attention(layer, self.head_counts[0])) if fused else None
+        compiled = (lambda layer: cache.compiled_attention(layer, self.head_counts[0], positions)) if fused else None
         cache.begin_decode(seq_ids)
         try:
             with without_cpu_compat_mode():

@@ -217,7 +217,8 @@ class _DecodeCall(ctypes.Structure):
                 ("state", ctypes.c_void_p), ("s_row", ctypes.c_int64), ("s_ring", ctypes.c_int64),
                 ("ring", ctypes.c_int64), ("open_tokens", ctypes.c_void_p), ("shift", ctypes.c_void_p),
                 ("threshold", ctypes.c_float), ("offset", ctypes.c_float), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("num_threads", ctypes.c_int)]
+                ("scale", ctypes.c_float), ("num_threads", ctypes.c_int), ("slots", ctypes.c_void_p),
+                ("scores", ctypes.c_void_p), ("scores_width", ctypes.c_int64), ("scores_mode", ctypes.c_int)]
 
 
 class DecodeAttention:
@@ -235,12 +236,13 @@ class DecodeAttention:
         (h, kv), d, dv = heads, k_pages.shape[-1], v_pages.shape[-1]
         self._alive = (k_pages, v_pages, block_table, seq_lens, spare, spare_left, open_state, open_tokens)
         self._max_pages, self._spare_left, self._rows, self._decisions = block_table.shape[1], spare_left, None, None
+        self._slots = None
         self.width = h * dv
         self.call = _DecodeCall(None, 0, seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                                 block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[1], d, dv,
                                 h // kv, kv, (h + kv) * d + kv * dv, *_loan_args(spare, spare_left), None, None,
                                 *_state_args(open_state), _ptr(open_tokens), None, 0.0, 0.0, 0.0, scale,
-                                torch.get_num_threads())
+                                torch.get_num_threads(), None, None, 0, 0)
         self.function = ctypes.cast(library().decode_call_f32, ctypes.c_void_p).value
         self.context = ctypes.addressof(self.call)
 
@@ -270,8 +272,23 @@ class DecodeAttention:
         self.call.alpha = self.call.omega = None
         return self
 
+    def at_slots(self, slots: torch.Tensor, scores: Optional[torch.Tensor] = None,
+                 mode: Optional[str] = None) -> "DecodeAttention":
+        """In the next call each row writes its new entry at its flat slot ``slots [n]`` (int64, contiguous: ``page *
+        page_size + offset``, an entry its length already counts: an eviction policy's victim, or the entry its row
+        grew by) instead of appending; with ``mode`` ("probs" / "logits") the attention also writes each entry's
+        score into ``scores [n, L]`` (fp32, contiguous; as :func:`kernels.paged.paged_attention`'s, 0 past a row's
+        length). Built without pages to lend (the caller grew the rows)."""
+        self._slots = (slots, scores)
+        self.call.slots = slots.data_ptr()
+        self.call.scores, self.call.scores_width = _ptr(scores), 0 if scores is None else scores.shape[-1]
+        self.call.scores_mode = SCORE_MODES[mode]
+        return self
+
     def check(self, code: int) -> None:
-        """Raise the error of the call's nonzero ``code`` (nothing changed)."""
+        """Raise the error of the call's nonzero ``code`` (nothing changed, but when out of memory)."""
+        if code == -1:
+            raise MemoryError("paged decode on CPU: no memory for the step's decisions or an entry's scores")
         if code == 3:
             raise ValueError("a DMC decode step needs its decisions: with_decisions(alpha, omega) or deciding(...)")
         _check_pages_taken(code, self._spare_left, self._max_pages)

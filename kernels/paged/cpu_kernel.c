@@ -355,7 +355,9 @@ int decode_step_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, 
  * then the kv_heads keys, then the values (dv each), row r = b * kv_heads + j being token b's KV head j; out [B, H *
  * dv]. DMC with the open-slot state: the decisions alpha, omega [n] given, or (shift set) decided here from the
  * decision channel's values before RoPE, channel [B, H + kv_heads] (decide); else a plain append. The rest as
- * decode_step_f32 (rows [n], n = B * kv_heads). */
+ * decode_step_f32 (rows [n], n = B * kv_heads). With slots (an eviction policy's step: its rows grown and their victims
+ * chosen by the caller), each row's entry is written at its slot and the attention may also write each entry's score,
+ * as paged_decode_f32. */
 struct decode_call {
   const int64_t *rows;
   int64_t n;
@@ -373,6 +375,10 @@ struct decode_call {
   float threshold, offset, eps;
   float scale;
   int num_threads;
+  const int64_t *slots; /* [n] or NULL: row r's new entry written at flat slot slots[r] (write_at_slot), not appended */
+  float *scores;        /* [n, scores_width] or NULL: each entry's score (scores_mode 1 "probs", 2 "logits") */
+  int64_t scores_width;
+  int scores_mode;
 };
 
 /* DMC's decisions of row r (token b, KV head j) from the channel values: alpha = [k_c + shift > threshold] exactly as
@@ -389,6 +395,15 @@ static void decide(const struct decode_call *c, const float *channel, float *alp
     q = groups == 1 ? q : q / (float)groups;
     omega[r] = 1.f / (1.f + expf(-(q + c->offset))) + c->eps;
   }
+}
+
+/* Row r's new entry written at flat slot slot (page * page_size + offset) of the pages, one its length already counts
+ * (an eviction policy's victim, or the entry a row below its budget grew by). */
+INLINE void write_at_slot(const struct dmc_step *s, int64_t r, int64_t slot) {
+  memcpy(s->k_pages + slot * s->d, s->k + (r / s->inner) * s->sk_outer + (r % s->inner) * s->sk_inner,
+         sizeof(float) * s->d);
+  memcpy(s->v_pages + slot * s->dv, s->v + (r / s->inner) * s->sv_outer + (r % s->inner) * s->sv_inner,
+         sizeof(float) * s->dv);
 }
 
 /* Returns 0, take_pages' code, 3 when a DMC step has no decisions, -1 when out of memory. */
@@ -412,14 +427,31 @@ int decode_call_f32(const struct decode_call *c, const float *heads, const float
                              .seq_lens = c->seq_lens, .block_table = c->block_table, .table_stride = c->table_stride,
                              .max_pages = c->max_pages, .k_pages = c->k_pages, .v_pages = c->v_pages, .n = c->n,
                              .ring = c->ring, .d = d, .dv = c->dv, .page_size = c->page_size};
-  const int failed = take_pages(&s, c->spare, c->left);
+  int failed = take_pages(&s, c->spare, c->left);
   if (!failed) {
     const struct attention a = {.q = heads, .q_inner = kv, .q_outer = c->token_stride, .k_pages = c->k_pages,
                                 .v_pages = c->v_pages, .block_table = c->block_table, .rows = c->rows,
                                 .table_stride = c->table_stride, .groups = c->groups, .page_size = c->page_size,
-                                .scale = c->scale, .out = out};
+                                .scale = c->scale, .out = out, .scores = c->scores,
+                                .scores_width = c->scores_width, .scores_mode = c->scores_mode};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(c->num_threads)
-    for (int64_t r = 0; r < c->n; ++r) attend_row_sized(&a, r, update_row(&s, r), d, c->dv, NULL);
+    for (int64_t r = 0; r < c->n; ++r) {
+      int64_t len;
+      if (c->slots) {
+        write_at_slot(&s, r, c->slots[r]);
+        len = c->seq_lens[c->rows[r]];
+      } else {
+        len = update_row(&s, r);
+      }
+      float *kept = c->scores_mode == 1 ? malloc(sizeof(float) * c->groups * len) : NULL;
+      if (c->scores_mode == 1 && !kept) {
+#pragma omp atomic write
+        failed = -1;
+        continue;
+      }
+      attend_row_sized(&a, r, len, d, c->dv, kept);
+      free(kept);
+    }
   }
   free(decided);
   return failed;

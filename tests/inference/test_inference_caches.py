@@ -257,12 +257,12 @@ def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model, variant
     lens, prompts = (torch.randint(a, b, (16,), generator=g).tolist() for a, b in ((20, 50), (1, 10)))
     sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in lens]
     fused, three = new_cache(model), new_cache(model)
-    three.compiled_attention = lambda layer, num_heads: None
+    three.compiled_attention = lambda layer, num_heads, positions: None
     calls = []
     original = fused.compiled_attention
 
-    def compiled_attention(layer, num_heads):
-        call = original(layer, num_heads)
+    def compiled_attention(layer, num_heads, positions):
+        call = original(layer, num_heads, positions)
         calls.append(call is not None)
         return call
 

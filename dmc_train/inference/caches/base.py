@@ -136,11 +136,11 @@ class KVCache:
     def end_decode(self) -> None:
         """The decode step ended (or failed): drop what :meth:`begin_decode` prepared."""
 
-    def compiled_attention(self, layer: int, num_heads: int):
+    def compiled_attention(self, layer: int, num_heads: int, positions: torch.Tensor):
         """Layer ``layer``'s work in the decode step begun as a compiled function that the layer's kernel calls
         between its projection and its output (:class:`kernels.layer.CompiledAttention`, over the ``num_heads``
-        query heads and this cache's KV heads: the model then runs the whole layer in one call,
-        ``LlamaLayer.decode_with``), or None: the model calls :meth:`decode`."""
+        query heads and this cache's KV heads, the step's tokens at ``positions [B]``: the model then runs the whole
+        layer in one call, ``LlamaLayer.decode_with``), or None: the model calls :meth:`decode`."""
         return None
 
     def prefill_varlen(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

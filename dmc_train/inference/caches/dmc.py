@@ -123,7 +123,7 @@ class DMCCache(KVCache):
         if step is not None:
             self.pool.settle(step.loan)
 
-    def compiled_attention(self, layer, num_heads):
+    def compiled_attention(self, layer, num_heads, positions):
         """In a begun step: the layer's update and attention as the compiled function the layer kernel calls after
         the model's decisions (:func:`kernels.paged.decode_attention` with the open-slot state, built once per step;
         the model hands it the layer's decisions). Asked only with ``rope_order=post`` (the keys arrive rotated)."""

@@ -25,8 +25,8 @@ Subclasses that absorb what is evicted (LESS) override :meth:`absorb`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -35,7 +35,7 @@ from dmc_train.inference.caches.full import causal_attention
 from dmc_train.inference.pool import PagePool
 from dmc_train.policies.base import Entries, Scorer, Step, insert, record_keys, record_token, victim_slots
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
-from kernels.paged import DecodePlan
+from kernels.paged import DecodePlan, decode_attention
 
 
 @dataclass
@@ -48,31 +48,40 @@ class DecodeStep:
 
     - ``layers``: the layers the step covers (all, or the one layer of a :meth:`~EvictingCache.decode` called
       without ``begin_decode``); ``rows [len(layers), N]`` (``N = B * H_kv``, ordered [sequence, KV head]);
-    - ``lens [N]`` int64: entries before the step; ``full [N]`` bool: rows at their budget, which overwrite a
-      victim (the others append at ``lens``); ``n_full``: how many (host); ``full_rows``: their indices
-      ``[n_full]`` when only some are full and the cache absorbs what it evicts (LESS);
-    - ``plan``: the attention plan over the lengths after the step, for every layer of ``rows``;
+    - ``lens [N]`` int64: entries before the step, ``new_lens [N]`` after it; ``full [N]`` bool: rows at their
+      budget, which overwrite a victim (the others append at ``lens``); ``n_full``: how many (host);
+      ``full_rows``: their indices ``[n_full]`` when only some are full and the cache absorbs what it evicts (LESS);
+    - ``plan``: the attention plan over the lengths after the step, for every layer of ``rows`` (built by the first
+      layer that attends through :meth:`~EvictingCache.attend`);
     - ``state``: the per-row state of ``rows``, gathered once (name -> ``[len(layers), N, ...]``) and written
       back by :meth:`~EvictingCache.end_decode`;
     - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
     - ``slots [len(layers), N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
       slot, for every layer at once when the policy's priority does not read the query (else None: chosen
       layer by layer); ``recorded``: the new token's position (and zero score) already recorded in every layer's
-      state at once (:func:`~dmc_train.policies.base.record_token`), only what reads the keys left per layer."""
+      state at once (:func:`~dmc_train.policies.base.record_token`), only what reads the keys left per layer;
+    - ``call``: the layers' write and attention as a compiled function (:meth:`~EvictingCache.compiled_attention`;
+      False where it does not run), ``scores [len(layers), N, budget]``: the per-entry scores its calls write for
+      the policy, ``compiled``: the indices (into ``layers``) of the layers it ran, whose policy update waits for
+      :meth:`~EvictingCache.end_decode`."""
 
     seq_ids: tuple
     layers: list[int]
     rows: torch.Tensor
     lens: torch.Tensor
+    new_lens: torch.Tensor
     full: torch.Tensor
     n_full: int
     full_rows: Optional[torch.Tensor]
-    plan: DecodePlan
     state: dict[str, torch.Tensor]
+    plan: Optional[DecodePlan] = None
     policy: Optional[Step] = None
     slots: Optional[torch.Tensor] = None
     flat: Optional[torch.Tensor] = None
     recorded: bool = False
+    call: Any = None
+    scores: Optional[torch.Tensor] = None
+    compiled: list[int] = field(default_factory=list)
 
 
 class EvictingCache(KVCache):
@@ -132,9 +141,16 @@ class EvictingCache(KVCache):
         written first (:meth:`PagePool.attend_planned`)."""
         b, h, d = q.shape
         q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
+        plan = self.step_plan(step)
         if scores is None:
-            return self.pool.attend_planned(step.plan, q, self.scale, index=index, append=append), None
-        return self.pool.attend_planned(step.plan, q, self.scale, index=index, scores=scores, append=append)
+            return self.pool.attend_planned(plan, q, self.scale, index=index, append=append), None
+        return self.pool.attend_planned(plan, q, self.scale, index=index, scores=scores, append=append)
+
+    def step_plan(self, step: DecodeStep) -> DecodePlan:
+        """The attention plan of ``step``'s rows, built once (by the first layer that attends through it)."""
+        if step.plan is None:
+            step.plan = self._plan(step.rows, step.layers, step.new_lens, step.n_full)
+        return step.plan
 
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
@@ -193,8 +209,7 @@ class EvictingCache(KVCache):
         state = {name: t.index_select(0, flat).view(*rows.shape, *t.shape[1:]) for name, t in self.row_state().items()}
         if "positions" in state:
             state["positions"] = state["positions"].long()
-        step = DecodeStep(tuple(seq_ids), layers, rows, lens, full, n_full, full_rows,
-                          self._plan(rows, layers, new_lens, n_full), state)
+        step = DecodeStep(tuple(seq_ids), layers, rows, lens, new_lens, full, n_full, full_rows, state)
         if n_full == 0:  # every row appends
             step.slots = lens.expand(len(layers), -1)
             step.flat = self.pool.slots(rows, step.slots)
@@ -212,7 +227,9 @@ class EvictingCache(KVCache):
         return cached[2]
 
     def _finish(self, step: DecodeStep) -> None:
-        """Write the step's per-row state back."""
+        """The policy's part of the layers that ran as compiled calls, then the step's per-row state written back."""
+        if step.compiled and self.evicting:
+            self._update_compiled(step)
         for name, t in self.row_state().items():
             t[step.rows] = step.state[name].to(t.dtype)
 
@@ -262,6 +279,52 @@ class EvictingCache(KVCache):
         slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
         return slot, self.pool.slots(step.rows[index], slot)
 
+    def compiled_attention(self, layer, num_heads, positions):
+        """In a begun step whose victims are known before the layers' queries (the priority reads the entries alone)
+        and whose evicted entries go nowhere (not LESS): the layer's write of each row's entry at its slot and the
+        attention over the rows, with the per-entry scores the policy reads, as the compiled function the layer
+        kernel calls (:meth:`kernels.paged.DecodeAttention.at_slots`). Every layer's victims are chosen and the new
+        token recorded at the first layer (:meth:`_policy_step`); the scores of the layers so run are updated at the
+        step's end (:meth:`_update_compiled`), which changes nothing else: a layer's state is its own."""
+        step = self._step
+        if step is None or step.call is False:
+            return None
+        if step.call is None:
+            pool, hk = self.pool, self.num_kv_heads
+            if not self.wants_evicted and not (self.evicting and self.scorer.query_priority):
+                step.call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
+                                             (num_heads, hk), self.scale, None, None)
+            if not step.call:
+                step.call = False
+                return None
+            if self.evicting:
+                self._policy_step(step, layer, positions)
+                if self.scorer.attention is not None:
+                    step.scores = torch.empty(len(step.layers), len(step.lens), self.budget)
+        index = step.layers.index(layer)
+        step.compiled.append(index)
+        if step.scores is None:
+            return step.call.for_rows(step.rows[index]).at_slots(step.flat[index])
+        return step.call.for_rows(step.rows[index]).at_slots(step.flat[index], step.scores[index],
+                                                             self.scorer.attention)
+
+    def _update_compiled(self, step: DecodeStep) -> None:
+        """After the compiled calls of ``step.compiled``'s layers: their new entries' keys recorded where the policy
+        reads them (read back from the pages at their slots) and their scores updated by what the calls' attention
+        wrote, as :meth:`_decode_layer` does after its attention."""
+        k_entries = self.pool.k_pages.view(-1, self.pool.k_pages.shape[-1])
+        for index in step.compiled:
+            entries = self._entries(step, index)
+            if self.scorer.key_scores or entries.codes is not None:
+                record_keys(self.scorer, entries, step.slots[index], k_entries.index_select(0, step.flat[index]))
+            self.scorer.update(entries, None if step.scores is None else step.scores[index],
+                               dataclasses.replace(step.policy, layer=step.layers[index]))
+
+    def _entries(self, step: DecodeStep, index: int) -> Entries:
+        """The per-entry state of layer ``step.layers[index]``'s rows (views of the step's gathered state)."""
+        st = step.state
+        return Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
+
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         step = self._step
         if step is not None and step.seq_ids == tuple(seq_ids):  # begin_decode grew the rows, planned, gathered
@@ -280,8 +343,7 @@ class EvictingCache(KVCache):
         if not self.evicting:  # prefill schedule: decoded tokens are appended
             return self.attend(step, index, q, None, (k, v, step.flat[index]))[0].view(b, -1, v.shape[-1])
         policy = self._policy_step(step, layer, info.positions)
-        st = step.state
-        entries = Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
+        entries = self._entries(step, index)
         slot, flat = self._choose(step, index, entries, q, policy)
         if self.wants_evicted and step.n_full:  # whole sequences are full (every KV head alike)
             gone = flat if step.full_rows is None else flat[step.full_rows]

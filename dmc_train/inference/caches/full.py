@@ -90,7 +90,7 @@ class FullCache(KVCache):
         if isinstance(step, LentStep):
             self.pool.settle(step.loan)
 
-    def compiled_attention(self, layer, num_heads):
+    def compiled_attention(self, layer, num_heads, positions):
         """In an appending step: the layer's append and attention as the compiled function the layer kernel calls
         (:func:`kernels.paged.decode_attention`, built once per step)."""
         step = self._step
