@@ -112,9 +112,11 @@ class Entries:
 class Step:
     """Where the rows are. ``layer``; ``heads [N]``: each row's KV head; ``t [N]``: position of the current
     (incoming) token; ``decoded [N]``: decode steps since the prompt (0 for its first generated token);
-    ``horizon [N]``: tokens the sequence will generate (0 = unknown); ``num_kv_heads``."""
+    ``horizon [N]``: tokens the sequence will generate (0 = unknown); ``num_kv_heads``. ``layer`` is an int, or
+    for an :meth:`Scorer.update` of several layers' entries at once (``[layers, N, L]``) their indices ``[layers,
+    1, 1]`` (int64)."""
 
-    layer: int
+    layer: int | torch.Tensor
     heads: torch.Tensor
     t: torch.Tensor
     decoded: torch.Tensor
@@ -182,7 +184,8 @@ class Scorer:
 
     def update(self, entries: Entries, attention: Optional[torch.Tensor], step: Step) -> None:
         """After the current query attended: ``attention [N, L]`` as declared by ``attention`` (0 on empty
-        slots). Updates ``entries.scores`` in place. Default: nothing."""
+        slots). Updates ``entries.scores`` in place. Default: nothing. The entries and ``attention`` may have a
+        leading dim, the layers of a decode step (``[layers, N, L]``, ``step.layer`` then ``[layers, 1, 1]``)."""
 
 
 # -- the keep rule ------------------------------------------------------------------------------------
@@ -259,12 +262,13 @@ def record_token(scorer: Scorer, entries: Entries, slot: torch.Tensor, t: torch.
 def record_keys(scorer: Scorer, entries: Entries, slot: torch.Tensor, k: torch.Tensor) -> None:
     """The part of :func:`insert` that reads the keys ``k [N, d]`` (or ``[B, N / B, d]``, e.g. a view of a layer's
     heads) written in slot ``slot [N]`` of every row: their scores (``scorer.key_scores``) and hash codes
-    (``scorer.code_bits``)."""
+    (``scorer.code_bits``). The entries, ``slot`` and ``k`` may have leading dims (``[..., N]``: every layer of a
+    decode step at once)."""
     if not (scorer.key_scores or entries.codes is not None):
         return
-    index, k = slot[:, None], k.reshape(-1, k.shape[-1])
+    index, k = slot.unsqueeze(-1), k.reshape(-1, k.shape[-1])  # [..., N, 1], [... N, d]
     if scorer.key_scores:
-        entries.scores.scatter_(1, index, scorer.new_scores(k)[:, None])
+        entries.scores.scatter_(-1, index, scorer.new_scores(k).view(index.shape))
     if entries.codes is not None:
-        codes = scorer.codes(k)  # [N, nbytes]
-        entries.codes.scatter_(1, index[:, :, None].expand(-1, 1, codes.shape[-1]), codes[:, None])
+        codes = scorer.codes(k).view(*index.shape, -1)  # [..., N, 1, nbytes]
+        entries.codes.scatter_(-2, index.unsqueeze(-1).expand(codes.shape), codes)

@@ -7,7 +7,7 @@ import torch
 
 from dmc_train.errors import OutOfPages
 from dmc_train.evaluation.incremental import teacher_forced_decode
-from dmc_train.inference.caches import DMCCache, FullCache
+from dmc_train.inference.caches import DMCCache, FullCache, build_cache
 from dmc_train.inference.caches.base import KVCache
 from dmc_train.inference.pool import PagePool
 from kernels.backend import set_backend
@@ -16,9 +16,13 @@ from tests.inference.conftest import SHAPE
 DMC_VARIANTS = ["dmc_exact", "dmc_window", "dmc_hardc", "dmc_pre", "dmc_pre_window", "fixed_pooling"]
 
 
-def new_cache(model, num_pages=256, page_size=16):
+def new_cache(model, num_pages=256, page_size=16, policy=None):
+    """The model's own cache, or the eviction ``policy`` given as ``name`` or ``name:schedule`` (budget 24)."""
     pool = PagePool(num_pages, page_size, SHAPE.head_dim, 16 * SHAPE.num_layers * SHAPE.num_kv_heads,
                     SHAPE.max_positions, dtype=model.dtype)
+    if policy is not None:
+        name, _, schedule = policy.partition(":")
+        return build_cache(name, pool, model, {"budget": 24, "schedule": schedule or "decode"})
     if model.dmc is None:
         return FullCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale)
     return DMCCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale, model.dmc)
@@ -243,20 +247,25 @@ def test_a_dmc_step_that_may_not_find_its_pages_changes_nothing(make_model):
     assert not torch.equal(cache.open_tokens, before[4])
 
 
-@pytest.mark.parametrize("variant", ["full", "dmc_exact", "dmc_window", "dmc_hardc", "fixed_pooling"])
+@pytest.mark.parametrize("variant", ["full", "dmc_exact", "dmc_window", "dmc_hardc", "fixed_pooling", "h2o",
+                                     "tova", "keyformer", "knorm", "streaming_llm", "h2o:prefill"])
 def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model, variant):
     """On CPU in fp32 a decode step runs each layer in one compiled call (projection, the cache's update and
     attention as a C function, output: LlamaLayer.decode_with; DMC's decisions taken in the call from the decision
-    channel), or for HardC in two around PyTorch's decisions (LlamaLayer.attend_output_with). Against the same steps
-    with the layer's three calls (the cache's compiled_attention declined), as rows cross page boundaries, with 16
-    sequences (32 rows a layer: PyTorch's sigmoid runs its vector path on them): the same decisions (entries per
-    row) and pages; the logits, entries and open-slot state bit for bit for the full cache, HardC and fixed pooling,
-    within float rounding for DMC (omega's sigmoid in C)."""
-    model = make_model(variant)
+    channel; an eviction policy's write at the victims' slots and attention with its per-entry scores, the scores
+    updated at the step's end), or for HardC in two around PyTorch's decisions (LlamaLayer.attend_output_with).
+    Against the same steps with the layer's three calls (the cache's compiled_attention declined), as rows cross
+    page boundaries and the policies' rows fill their budget, with 16 sequences (32 rows a layer: PyTorch's sigmoid
+    runs its vector path on them): the same decisions (entries per row) and pages; the logits, entries, open-slot
+    state and the policies' per-entry state bit for bit, but for DMC: within float rounding (omega's sigmoid in
+    C)."""
+    dmc = variant.startswith(("dmc", "fixed"))
+    model = make_model(variant if dmc else "full")
+    policy = None if dmc or variant == "full" else variant
     g = torch.Generator().manual_seed(11)
     lens, prompts = (torch.randint(a, b, (16,), generator=g).tolist() for a, b in ((20, 50), (1, 10)))
     sequences = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in lens]
-    fused, three = new_cache(model), new_cache(model)
+    fused, three = new_cache(model, policy=policy), new_cache(model, policy=policy)
     three.compiled_attention = lambda layer, num_heads, positions: None
     calls = []
     original = fused.compiled_attention
@@ -270,7 +279,7 @@ def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model, variant
     got = teacher_forced_decode(model, fused, sequences, prompt_lens=prompts)
     want = teacher_forced_decode(model, three, sequences, prompt_lens=prompts)
     assert calls and all(calls)  # every layer of every step ran in one call
-    exact = variant in ("full", "dmc_hardc", "fixed_pooling")
+    exact = variant not in ("dmc_exact", "dmc_window")  # the two that decide in C
 
     def same(a, b, atol):
         assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=atol)
@@ -286,3 +295,5 @@ def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model, variant
     if model.dmc is not None:
         same(fused.open_state, three.open_state, 1e-5)
         assert torch.equal(fused.open_tokens, three.open_tokens)
+    if policy is not None:
+        assert all(torch.equal(fused.row_state()[n], t) for n, t in three.row_state().items())

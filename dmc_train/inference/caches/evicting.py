@@ -311,17 +311,22 @@ class EvictingCache(KVCache):
     def _update_compiled(self, step: DecodeStep) -> None:
         """After the compiled calls of ``step.compiled``'s layers: their new entries' keys recorded where the policy
         reads them (read back from the pages at their slots) and their scores updated by what the calls' attention
-        wrote, as :meth:`_decode_layer` does after its attention."""
-        k_entries = self.pool.k_pages.view(-1, self.pool.k_pages.shape[-1])
-        for index in step.compiled:
+        wrote, as :meth:`_decode_layer` does after its attention; every layer at once when all of them ran so."""
+        if len(step.compiled) == len(step.layers):
+            parts = [(slice(None), torch.tensor(step.layers)[:, None, None])]
+        else:  # a step that failed part way
+            parts = [(index, step.layers[index]) for index in step.compiled]
+        for index, layer in parts:
             entries = self._entries(step, index)
             if self.scorer.key_scores or entries.codes is not None:
-                record_keys(self.scorer, entries, step.slots[index], k_entries.index_select(0, step.flat[index]))
+                keys = self.pool.k_pages.view(-1, self.pool.k_pages.shape[-1])[step.flat[index]]
+                record_keys(self.scorer, entries, step.slots[index], keys)
             self.scorer.update(entries, None if step.scores is None else step.scores[index],
-                               dataclasses.replace(step.policy, layer=step.layers[index]))
+                               dataclasses.replace(step.policy, layer=layer))
 
-    def _entries(self, step: DecodeStep, index: int) -> Entries:
-        """The per-entry state of layer ``step.layers[index]``'s rows (views of the step's gathered state)."""
+    def _entries(self, step: DecodeStep, index: int | slice) -> Entries:
+        """The per-entry state of layer ``step.layers[index]``'s rows (views of the step's gathered state; a slice:
+        those layers' ``[layers, N, L]``)."""
         st = step.state
         return Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
 

@@ -95,8 +95,8 @@ class LESSCache(EvictingCache):
     def attend(self, step, index, q, scores, append=None):
         b, h, d = q.shape
         g = h // self.num_kv_heads
-        out, *extra = self.pool.attend_planned(self.step_plan(step), q.reshape(-1, g, d), self.scale, index=index, scores=scores,
-                                               return_lse=True, append=append)
+        out, *extra = self.pool.attend_planned(self.step_plan(step), q.reshape(-1, g, d), self.scale, index=index,
+                                               scores=scores, return_lse=True, append=append)
         lse = extra[-1]  # [b * H_kv, G]
         w = self.weights.layers[step.layers[index]]
         features = phi_q(q[:, :, None], w)[:, :, 0].reshape(-1, g, self.weights.rank)
