@@ -9,6 +9,7 @@ from dmc_train.errors import InferenceError
 from dmc_train.inference.engine import Engine
 from dmc_train.inference.model import LlamaForInference, random_weights
 from dmc_train.inference.sampling import SamplingParams
+from dmc_train.policies import POLICIES
 from tests.inference.conftest import SHAPE, VARIANTS
 
 LENGTHS = (7, 1, 33, 16, 20)
@@ -52,6 +53,32 @@ def test_batched_prefill_equals_one_at_a_time(case):
         assert torch.equal(together.cache.entries(i), alone.cache.entries(i))
         for a, b in zip(cache_contents(together, i), cache_contents(alone, i)):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("schedule", ["decode", "prefill"])
+def test_an_eviction_policy_prefills_prompts_of_one_length_together_as_each_alone(policy, schedule):
+    """An eviction policy's cache batches the prompts of equal length (attention, prompt scores, compression): the
+    logits, kept entries and per-entry state of prefilling each alone."""
+    model = LlamaForInference(SHAPE, random_weights(SHAPE))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (16, 7, 16, 33, 16, 7)]
+    options = {"cache": policy, "budget": 15, "schedule": schedule}
+    together, alone = Engine(model, max_batch=8, **options), Engine(model, max_batch=8, **options)
+    ids = list(range(len(prompts)))
+    for i in ids:
+        together.cache.add(i)
+        alone.cache.add(i)
+    batched = model.prefill_batch(together.cache, ids, prompts)
+    single = [model.prefill(alone.cache, i, p) for i, p in zip(ids, prompts)]
+    for i in ids:
+        torch.testing.assert_close(batched[i], single[i], rtol=0, atol=1e-5)
+        assert torch.equal(together.cache.entries(i), alone.cache.entries(i))
+        for a, b in zip(cache_contents(together, i), cache_contents(alone, i)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        rows = together.cache.rows[i].flatten()
+        for name, t in alone.cache.row_state().items():
+            torch.testing.assert_close(together.cache.row_state()[name][rows], t[rows], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["gqa", "dmc_exact"])

@@ -154,29 +154,54 @@ class EvictingCache(KVCache):
 
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
+        return self._prefill_prompts(layer, [seq_id], q, k, v)
+
+    def prefill_varlen(self, layer, seq_ids, q, k, v, info: TokenInfo, lens):
+        """The prompts of equal length prefilled together (their attention, scores and compression batched, as
+        :meth:`prefill` of each: a prompt's scores read its own tokens alone)."""
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        by_len: dict[int, list[int]] = {}
+        for i, n in enumerate(lens):
+            by_len.setdefault(n, []).append(i)
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        for n, group in by_len.items():
+            tokens = torch.tensor([starts[i] for i in group])[:, None] + torch.arange(n)  # [b, n] in the packed axis
+            qg, kg, vg = (x[0][:, tokens].transpose(0, 1) for x in (q, k, v))  # [b, heads, n, d]
+            out[0][:, tokens] = self._prefill_prompts(layer, [seq_ids[i] for i in group], qg, kg, vg).transpose(0, 1)
+        return out
+
+    def _prefill_prompts(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> torch.Tensor:
+        """Prompts of ``b`` sequences of equal length ``p``, ``q [b, H, p, d]``, ``k [b, H_kv, p, d]``, ``v [b, H_kv,
+        p, d_v]`` -> ``[b, H, p, d_v]``: causal attention, then each row's prompt compressed to the budget with the
+        scores it produced and the kept entries written in position order (module docstring)."""
         out = causal_attention(q, k, v, self.scale)
-        rows = self.rows[seq_id][layer]
-        h, p = k.shape[1], k.shape[2]
-        scores = self.scorer.prompt_scores(q, k, layer)[0]  # [H_kv, P]
+        rows = torch.stack([self.rows[s][layer] for s in seq_ids]).flatten()  # [N], N = b * H_kv
+        b, h, p = k.shape[:3]
+        n = b * h
+        scores = self.scorer.prompt_scores(q, k, layer).reshape(n, p)
         keep, fixed = prompt_keep(self.scorer, self.budget, p)
-        kept = compress_prompt(self.scorer, scores, keep, fixed, h)  # [H_kv, keep] positions
-        heads = torch.arange(h)[:, None].expand(-1, keep)
-        if self.wants_evicted and keep < p:  # every head drops p - keep entries
-            dropped = torch.ones(h, p, dtype=torch.bool)
-            dropped[heads, kept] = False
-            hh, jj = dropped.nonzero(as_tuple=True)
-            self.absorb(layer, self.row_state(), rows, k[0, hh, jj].view(1, h, p - keep, -1),
-                        v[0, hh, jj].view(1, h, p - keep, -1))
+        kept = compress_prompt(self.scorer, scores, keep, fixed, h)  # [N, keep] positions
+        k, v = k.reshape(n, p, -1), v.reshape(n, p, -1)
+        each = torch.arange(n)[:, None].expand(-1, keep)
+        if self.wants_evicted and keep < p:  # every row drops p - keep entries
+            dropped = torch.ones(n, p, dtype=torch.bool)
+            dropped[each, kept] = False
+            rr, jj = dropped.nonzero(as_tuple=True)
+            self.absorb(layer, self.row_state(), rows, k[rr, jj].view(b, h, p - keep, -1),
+                        v[rr, jj].view(b, h, p - keep, -1))
         self.pool.grow(rows, torch.full_like(rows, keep))
-        slots = torch.arange(keep).repeat(h)
-        self.pool.write(rows.repeat_interleave(keep), slots, k[0, heads, kept].reshape(h * keep, -1),
-                        v[0, heads, kept].reshape(h * keep, -1))
+        k_kept = k[each, kept]  # [N, keep, d]
+        self.pool.write(rows.repeat_interleave(keep), torch.arange(keep).repeat(n), k_kept.reshape(n * keep, -1),
+                        v[each, kept].reshape(n * keep, -1))
         self.prompt_len[rows] = p
         if self.evicting:
             self.positions[rows, :keep] = kept.int()
             self.scores[rows, :keep] = scores.gather(1, kept)
             if self.scorer.code_bits:
-                self.codes[rows, :keep] = self.scorer.codes(k[0, heads, kept])
+                self.codes[rows, :keep] = self.scorer.codes(k_kept)
         return out
 
     def begin_decode(self, seq_ids):
