@@ -274,11 +274,11 @@ class DecodeAttention:
 
     def at_slots(self, slots: torch.Tensor, scores: Optional[torch.Tensor] = None,
                  mode: Optional[str] = None) -> "DecodeAttention":
-        """In the next call each row writes its new entry at its flat slot ``slots [n]`` (int64, contiguous: ``page *
-        page_size + offset``, an entry its length already counts: an eviction policy's victim, or the entry its row
-        grew by) instead of appending; with ``mode`` ("probs" / "logits") the attention also writes each entry's
-        score into ``scores [n, L]`` (fp32, contiguous; as :func:`kernels.paged.paged_attention`'s, 0 past a row's
-        length). Built without pages to lend (the caller grew the rows)."""
+        """In the next call each row writes its new entry at entry ``slots [n]`` of its row (int64, contiguous; an
+        entry its length already counts: an eviction policy's victim, or the entry its row grew by) instead of
+        appending; with ``mode`` ("probs" / "logits") the attention also writes each entry's score into ``scores [n,
+        L]`` (fp32, contiguous; as :func:`kernels.paged.paged_attention`'s, 0 past a row's length). Built without
+        pages to lend (the caller grew the rows)."""
         self._slots = (slots, scores)
         self.call.slots = slots.data_ptr()
         self.call.scores, self.call.scores_width = _ptr(scores), 0 if scores is None else scores.shape[-1]

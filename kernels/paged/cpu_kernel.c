@@ -356,8 +356,8 @@ int decode_step_f32(DMC_STEP_ARGS, const float *q, int64_t groups, float scale, 
  * dv]. DMC with the open-slot state: the decisions alpha, omega [n] given, or (shift set) decided here from the
  * decision channel's values before RoPE, channel [B, H + kv_heads] (decide); else a plain append. The rest as
  * decode_step_f32 (rows [n], n = B * kv_heads). With slots (an eviction policy's step: its rows grown and their victims
- * chosen by the caller), each row's entry is written at its slot and the attention may also write each entry's score,
- * as paged_decode_f32. */
+ * chosen by the caller), each row's entry is written at its entry slots[r] and the attention may also write each
+ * entry's score, as paged_decode_f32. */
 struct decode_call {
   const int64_t *rows;
   int64_t n;
@@ -375,7 +375,7 @@ struct decode_call {
   float threshold, offset, eps;
   float scale;
   int num_threads;
-  const int64_t *slots; /* [n] or NULL: row r's new entry written at flat slot slots[r] (write_at_slot), not appended */
+  const int64_t *slots; /* [n] or NULL: row r's new entry written at entry slots[r] of its row (write_at), not appended */
   float *scores;        /* [n, scores_width] or NULL: each entry's score (scores_mode 1 "probs", 2 "logits") */
   int64_t scores_width;
   int scores_mode;
@@ -397,13 +397,16 @@ static void decide(const struct decode_call *c, const float *channel, float *alp
   }
 }
 
-/* Row r's new entry written at flat slot slot (page * page_size + offset) of the pages, one its length already counts
- * (an eviction policy's victim, or the entry a row below its budget grew by). */
-INLINE void write_at_slot(const struct dmc_step *s, int64_t r, int64_t slot) {
-  memcpy(s->k_pages + slot * s->d, s->k + (r / s->inner) * s->sk_outer + (r % s->inner) * s->sk_inner,
+/* Row r's new entry written at entry `entry` of its row, one its length already counts (an eviction policy's victim,
+ * or the entry a row below its budget grew by); returns the row's length. */
+INLINE int64_t write_at(const struct dmc_step *s, int64_t r, int64_t entry) {
+  const int64_t row = s->rows[r], page_size = s->page_size;
+  const int64_t at = (int64_t)s->block_table[row * s->table_stride + entry / page_size] * page_size + entry % page_size;
+  memcpy(s->k_pages + at * s->d, s->k + (r / s->inner) * s->sk_outer + (r % s->inner) * s->sk_inner,
          sizeof(float) * s->d);
-  memcpy(s->v_pages + slot * s->dv, s->v + (r / s->inner) * s->sv_outer + (r % s->inner) * s->sv_inner,
+  memcpy(s->v_pages + at * s->dv, s->v + (r / s->inner) * s->sv_outer + (r % s->inner) * s->sv_inner,
          sizeof(float) * s->dv);
+  return s->seq_lens[row];
 }
 
 /* Returns 0, take_pages' code, 3 when a DMC step has no decisions, -1 when out of memory. */
@@ -436,13 +439,7 @@ int decode_call_f32(const struct decode_call *c, const float *heads, const float
                                 .scores_width = c->scores_width, .scores_mode = c->scores_mode};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(c->num_threads)
     for (int64_t r = 0; r < c->n; ++r) {
-      int64_t len;
-      if (c->slots) {
-        write_at_slot(&s, r, c->slots[r]);
-        len = c->seq_lens[c->rows[r]];
-      } else {
-        len = update_row(&s, r);
-      }
+      const int64_t len = c->slots ? write_at(&s, r, c->slots[r]) : update_row(&s, r);
       float *kept = c->scores_mode == 1 ? malloc(sizeof(float) * c->groups * len) : NULL;
       if (c->scores_mode == 1 && !kept) {
 #pragma omp atomic write

@@ -103,6 +103,7 @@ class EvictingCache(KVCache):
         self.codes = torch.zeros(rows, width, -(-scorer.code_bits // 8), dtype=torch.uint8)
         self.prompt_len = torch.zeros(rows, dtype=torch.int32)
         self.horizon = torch.zeros(rows, dtype=torch.int32)
+        self._layer_ids = torch.arange(num_layers)[:, None, None]  # Step.layer of every layer's entries at once
 
     def add(self, seq_id: int, max_new_tokens: int = 0) -> None:
         super().add(seq_id, max_new_tokens)
@@ -118,6 +119,7 @@ class EvictingCache(KVCache):
     _step: Optional[DecodeStep] = None  # the decode step begun
     _facts: Optional[tuple] = None  # (batch rows, heads, prompt_len, horizon) of the running batch (_row_facts)
     _full_plan: Optional[tuple] = None  # (batch rows, layers, plan) of the last step whose rows were all full (_plan)
+    _call: Optional[tuple] = None  # (query heads, the compiled write and attention) (_compiled_call)
 
     def row_state(self) -> dict[str, torch.Tensor]:
         """The per-row state a decode step reads and updates (name -> ``[rows, ...]``, an attribute of the cache)."""
@@ -219,7 +221,9 @@ class EvictingCache(KVCache):
     def _prepare(self, seq_ids: list[int], layers: list[int]) -> DecodeStep:
         """The :class:`DecodeStep` of ``layers`` for ``seq_ids``: grows their rows (one ``grow``), plans the
         attention, gathers the state."""
-        rows = self.batch_rows(seq_ids)[:, layers].transpose(0, 1).flatten(1)  # [layers, B * H_kv]
+        rows = self.step_rows(seq_ids)  # [layers, B * H_kv]
+        if len(layers) < self.num_layers:
+            rows = rows[layers]
         lens = self.pool.seq_lens[rows[0]].long()
         if self.evicting:
             full = lens >= self.budget
@@ -237,8 +241,13 @@ class EvictingCache(KVCache):
         step = DecodeStep(tuple(seq_ids), layers, rows, lens, new_lens, full, n_full, full_rows, state)
         if n_full == 0:  # every row appends
             step.slots = lens.expand(len(layers), -1)
-            step.flat = self.pool.slots(rows, step.slots)
         return step
+
+    def _flat(self, step: DecodeStep) -> torch.Tensor:
+        """``step.flat``: the flat page slot of every layer's ``step.slots`` (computed once)."""
+        if step.flat is None:
+            step.flat = self.pool.slots(step.rows, step.slots)
+        return step.flat
 
     def _plan(self, rows: torch.Tensor, layers: list[int], lens: torch.Tensor, n_full: int) -> DecodePlan:
         """The attention plan of ``rows [len(layers), N]`` holding ``lens [N]`` entries after the step. While every
@@ -285,20 +294,19 @@ class EvictingCache(KVCache):
         return self._facts[1:]
 
     def _choose_all(self, step: DecodeStep) -> None:
-        """``step.slots`` and ``step.flat`` of every layer at once: one victim choice over the entries of every layer
-        ``[layers, N, L]`` (the priority reads the entries alone)."""
+        """``step.slots`` of every layer at once: one victim choice over the entries of every layer ``[layers, N, L]``
+        (the priority reads the entries alone)."""
         st = step.state
         entries = Entries(st["positions"], st["scores"], st.get("codes"))
         victim = victim_slots(self.scorer, entries, None, step.policy, self.budget)  # [layers, N]
         step.slots = victim if step.n_full == len(step.lens) else torch.where(step.full, victim, step.lens)
-        step.flat = self.pool.slots(step.rows, step.slots)
 
     def _choose(self, step: DecodeStep, index: int, entries: Entries, q: torch.Tensor,
                 policy: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """The entry ``[N]`` each row of layer ``step.layers[index]`` writes (its victim when full, else ``lens``) and
         its flat page slot ``[N]``: chosen for every layer at once, or here with the layer's ``q [B, H, d]``."""
         if step.slots is not None:
-            return step.slots[index], step.flat[index]
+            return step.slots[index], self._flat(step)[index]
         n = len(step.lens)
         victim = victim_slots(self.scorer, entries, q.reshape(n, -1, q.shape[-1]), policy, self.budget)
         slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
@@ -315,12 +323,8 @@ class EvictingCache(KVCache):
         if step is None or step.call is False:
             return None
         if step.call is None:
-            pool, hk = self.pool, self.num_kv_heads
-            if not self.wants_evicted and not (self.evicting and self.scorer.query_priority):
-                step.call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
-                                             (num_heads, hk), self.scale, None, None)
+            step.call = self._compiled_call(num_heads) or False
             if not step.call:
-                step.call = False
                 return None
             if self.evicting:
                 self._policy_step(step, layer, positions)
@@ -329,22 +333,35 @@ class EvictingCache(KVCache):
         index = step.layers.index(layer)
         step.compiled.append(index)
         if step.scores is None:
-            return step.call.for_rows(step.rows[index]).at_slots(step.flat[index])
-        return step.call.for_rows(step.rows[index]).at_slots(step.flat[index], step.scores[index],
+            return step.call.for_rows(step.rows[index]).at_slots(step.slots[index])
+        return step.call.for_rows(step.rows[index]).at_slots(step.slots[index], step.scores[index],
                                                              self.scorer.attention)
+
+    def _compiled_call(self, num_heads: int):
+        """The layers' compiled write and attention (:func:`kernels.paged.decode_attention` without pages to lend,
+        built once), or None where it does not run or the step needs more between the projection and the attention
+        (a priority that reads the query, evicted entries to absorb)."""
+        if self.wants_evicted or (self.evicting and self.scorer.query_priority):
+            return None
+        if self._call is None or self._call[0] != num_heads:
+            pool = self.pool
+            self._call = (num_heads, decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
+                                                      (num_heads, self.num_kv_heads), self.scale, None, None))
+        return self._call[1]
 
     def _update_compiled(self, step: DecodeStep) -> None:
         """After the compiled calls of ``step.compiled``'s layers: their new entries' keys recorded where the policy
         reads them (read back from the pages at their slots) and their scores updated by what the calls' attention
         wrote, as :meth:`_decode_layer` does after its attention; every layer at once when all of them ran so."""
         if len(step.compiled) == len(step.layers):
-            parts = [(slice(None), torch.tensor(step.layers)[:, None, None])]
+            parts = [(slice(None), self._layer_ids if len(step.layers) == self.num_layers else
+                      torch.tensor(step.layers)[:, None, None])]
         else:  # a step that failed part way
             parts = [(index, step.layers[index]) for index in step.compiled]
         for index, layer in parts:
             entries = self._entries(step, index)
             if self.scorer.key_scores or entries.codes is not None:
-                keys = self.pool.k_pages.view(-1, self.pool.k_pages.shape[-1])[step.flat[index]]
+                keys = self.pool.k_pages.view(-1, self.pool.k_pages.shape[-1])[self._flat(step)[index]]
                 record_keys(self.scorer, entries, step.slots[index], keys)
             self.scorer.update(entries, None if step.scores is None else step.scores[index],
                                dataclasses.replace(step.policy, layer=layer))
@@ -371,7 +388,7 @@ class EvictingCache(KVCache):
         b, hk = q.shape[0], self.num_kv_heads
         index = step.layers.index(layer)  # k and v stay views of the model's heads (the append reads them strided)
         if not self.evicting:  # prefill schedule: decoded tokens are appended
-            return self.attend(step, index, q, None, (k, v, step.flat[index]))[0].view(b, -1, v.shape[-1])
+            return self.attend(step, index, q, None, (k, v, self._flat(step)[index]))[0].view(b, -1, v.shape[-1])
         policy = self._policy_step(step, layer, info.positions)
         entries = self._entries(step, index)
         slot, flat = self._choose(step, index, entries, q, policy)
