@@ -57,12 +57,14 @@ def test_batched_prefill_equals_one_at_a_time(case):
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("schedule", ["decode", "prefill"])
-def test_an_eviction_policy_prefills_prompts_of_one_length_together_as_each_alone(policy, schedule):
-    """An eviction policy's cache batches the prompts of equal length (attention, prompt scores, compression): the
-    logits, kept entries and per-entry state of prefilling each alone."""
+@pytest.mark.parametrize("lens", [(16, 7, 16, 33, 16, 7), (16, 16, 16)])
+def test_an_eviction_policy_prefills_prompts_of_one_length_together_as_each_alone(policy, schedule, lens):
+    """An eviction policy's cache batches the prompts of equal length (attention, prompt scores, compression; when all
+    have one, over views of the packed tokens): the logits, kept entries and per-entry state of prefilling each
+    alone."""
     model = LlamaForInference(SHAPE, random_weights(SHAPE))
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in (16, 7, 16, 33, 16, 7)]
+    prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g) for n in lens]
     options = {"cache": policy, "budget": 15, "schedule": schedule}
     together, alone = Engine(model, max_batch=8, **options), Engine(model, max_batch=8, **options)
     ids = list(range(len(prompts)))

@@ -167,6 +167,10 @@ class EvictingCache(KVCache):
         by_len: dict[int, list[int]] = {}
         for i, n in enumerate(lens):
             by_len.setdefault(n, []).append(i)
+        if len(by_len) == 1:  # one length: the packed axis is [b, n] (views, no gather)
+            b, n = len(lens), lens[0]
+            qg, kg, vg = (x[0].unflatten(1, (b, n)).transpose(0, 1) for x in (q, k, v))  # [b, heads, n, d]
+            return self._prefill_prompts(layer, seq_ids, qg, kg, vg).transpose(0, 1).reshape(1, q.shape[1], b * n, -1)
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         for n, group in by_len.items():
             tokens = torch.tensor([starts[i] for i in group])[:, None] + torch.arange(n)  # [b, n] in the packed axis
