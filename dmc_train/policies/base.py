@@ -168,6 +168,13 @@ class Scorer:
         applied) -> ``[b, H_kv, P]`` fp32. Default: zeros."""
         return k.new_zeros(k.shape[:3], dtype=torch.float32)
 
+    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         layer: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(out [b, H, P, d_v], scores [b, H_kv, P])``: the prompt's causal attention and its :meth:`prompt_scores`
+        from one pass, for a scorer whose scores are that attention's column sums (H2O); None (default): the
+        caller attends and scores apart."""
+        return None
+
     def new_scores(self, k: torch.Tensor) -> torch.Tensor:
         """Score of freshly written entries ``k [N, d]`` -> ``[N]`` (before the query attends). Default: zeros; a
         scorer that overrides it with scores of the keys sets ``key_scores``."""

@@ -22,5 +22,8 @@ class H2O(Scorer):
     def prompt_scores(self, q, k, layer):
         return attention_column_sums(q, k, self.scale)
 
+    def prompt_attention(self, q, k, v, layer):
+        return attention_column_sums(q, k, self.scale, v=v)
+
     def update(self, entries, attention, step):
         entries.scores += attention

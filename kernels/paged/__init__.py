@@ -217,7 +217,8 @@ def attention_column_sums(
     tau: float = 1.0,
     noise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     block: int = 128,
-) -> torch.Tensor:
+    v: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Column sums of causal prefill attention: the attention each prompt key receives (PyTorch only).
 
     Args:
@@ -232,14 +233,17 @@ def attention_column_sums(
             ``arange(i0, i1)`` and the positions of the keys that block can see, ``arange(i1)`` (causal:
             so ``m_k = i1 <= n``, not always n); the noise of key positions past a query is unused.
         block: queries per block; at most ``block x n`` scores per (b, H) exist at once (never ``n x n``).
+        v: values ``[b, H_kv, n, d_v]``, or None: with them the causal attention's output comes from the same
+            probabilities (one pass for the attention and its scores: H2O's prefill); tau 1 and no noise only.
 
     Returns:
         ``[b, H_kv, n]`` float32: entry ``[b, j, c]`` = the sum over queries ``i >= c`` and over the G
         query heads of KV head j of the causal softmax weight of key c (query i sees keys ``<= i``).
-        Each KV head's columns sum to ``G * n``.
+        Each KV head's columns sum to ``G * n``. With ``v``: ``(out, sums)``, ``out [b, H, n, d_v]`` in q's dtype
+        the causal attention (as ``scaled_dot_product_attention(..., is_causal=True)``, to float rounding).
     """
-    check_column_sum_inputs(q, k, tau, block)
-    return attention_column_sums_torch(q, k, float(scale), float(tau), noise, block)
+    check_column_sum_inputs(q, k, tau, block, v, noise)
+    return attention_column_sums_torch(q, k, float(scale), float(tau), noise, block, v)
 
 
 def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,

@@ -86,7 +86,7 @@ def check_scores(scores) -> None:
         raise ValueError(f"scores must be None, 'probs' or 'logits', got {scores!r}")
 
 
-def check_column_sum_inputs(q: torch.Tensor, k: torch.Tensor, tau: float, block: int) -> None:
+def check_column_sum_inputs(q: torch.Tensor, k: torch.Tensor, tau: float, block: int, v=None, noise=None) -> None:
     """Shapes, dtypes and devices of :func:`kernels.paged.attention_column_sums`' inputs."""
     check_tensor("q", q, "[b, H, n, d]", 4)
     check_tensor("k", k, "[b, H_kv, n, d]", 4)
@@ -104,6 +104,12 @@ def check_column_sum_inputs(q: torch.Tensor, k: torch.Tensor, tau: float, block:
         raise ValueError(f"tau must be > 0, got {tau}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
+    if v is not None:
+        check_tensor("v", v, "[b, H_kv, n, d_v]", 4)
+        if v.shape[:3] != k.shape[:3] or v.device != q.device:
+            raise ValueError(f"v {tuple(v.shape)} must agree with k {tuple(k.shape)} in b, H_kv and n, on q's device")
+        if tau != 1.0 or noise is not None:
+            raise ValueError("the attention's output (v given) is the plain softmax's: tau must be 1 and no noise")
 
 
 def pack_outputs(out, s, lse):

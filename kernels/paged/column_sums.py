@@ -20,13 +20,17 @@ def attention_column_sums_torch(
     tau: float,
     noise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     block: int,
-) -> torch.Tensor:
-    """:func:`kernels.paged.attention_column_sums` on validated inputs; ``[b, H_kv, n]`` float32."""
+    v: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.paged.attention_column_sums` on validated inputs; ``[b, H_kv, n]`` float32 (with ``v``: the
+    attention's output first, from the same probabilities)."""
     b, H, n, d = q.shape
     H_kv = k.shape[1]
     G = H // H_kv
     kf = k.float()
     out = torch.zeros(b, H_kv, n, dtype=torch.float32, device=q.device)
+    if v is not None:
+        vf, attn = v.float(), q.new_empty(b, H, n, v.shape[-1])
     pos = torch.arange(n, device=q.device)
     for i0 in range(0, n, block):
         i1 = min(i0 + block, n)
@@ -39,6 +43,8 @@ def attention_column_sums_torch(
         if tau != 1.0:
             logits.div_(tau)
         logits.masked_fill_(pos[None, :i1] > pos[i0:i1, None], float("-inf"))  # causal: key j <= query i
-        probs = torch.softmax(logits, dim=-1)
-        out[:, :, :i1] += probs.view(b, H_kv, G * m, i1).sum(2)
-    return out
+        probs = torch.softmax(logits, dim=-1).view(b, H_kv, G * m, i1)
+        out[:, :, :i1] += probs.sum(2)
+        if v is not None:
+            attn[:, :, i0:i1] = (probs @ vf[:, :, :i1]).view(b, H, m, -1)
+    return out if v is None else (attn, out)

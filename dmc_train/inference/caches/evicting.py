@@ -183,11 +183,12 @@ class EvictingCache(KVCache):
         """Prompts of ``b`` sequences of equal length ``p``, ``q [b, H, p, d]``, ``k [b, H_kv, p, d]``, ``v [b, H_kv,
         p, d_v]`` -> ``[b, H, p, d_v]``: causal attention, then each row's prompt compressed to the budget with the
         scores it produced and the kept entries written in position order (module docstring)."""
-        out = causal_attention(q, k, v, self.scale)
+        fused = self.scorer.prompt_attention(q, k, v, layer)
+        out, scores = fused or (causal_attention(q, k, v, self.scale), self.scorer.prompt_scores(q, k, layer))
         rows = torch.stack([self.rows[s][layer] for s in seq_ids]).flatten()  # [N], N = b * H_kv
         b, h, p = k.shape[:3]
         n = b * h
-        scores = self.scorer.prompt_scores(q, k, layer).reshape(n, p)
+        scores = scores.reshape(n, p)
         keep, fixed = prompt_keep(self.scorer, self.budget, p)
         kept = compress_prompt(self.scorer, scores, keep, fixed, h)  # [N, keep] positions
         k, v = k.reshape(n, p, -1), v.reshape(n, p, -1)

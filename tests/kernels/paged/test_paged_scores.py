@@ -138,6 +138,23 @@ def test_column_sums_match_dense(H, H_kv, n, block):
     torch.testing.assert_close(got[..., -1], want[..., -1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("H, H_kv, n, block", [(4, 2, 37, 16), (3, 1, 32, 128), (2, 2, 9, 1)])
+def test_column_sums_with_the_attention_in_one_pass(H, H_kv, n, block):
+    """With v the op also returns the causal attention (from the same probabilities): SDPA's to float rounding, the
+    column sums bit for bit those without v; tau and noise are refused then."""
+    q, k = qk(2, H, H_kv, n, 16, seed=H * n + block + 1)
+    v = torch.randn(2, H_kv, n, 12, generator=torch.Generator().manual_seed(n))
+    out, sums = attention_column_sums(q, k, 0.25, block=block, v=v)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert out.shape == (2, H, n, 12)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(sums, attention_column_sums(q, k, 0.25, block=block))
+    with pytest.raises(ValueError, match="tau must be 1 and no noise"):
+        attention_column_sums(q, k, 0.25, tau=0.5, v=v)
+    with pytest.raises(ValueError, match=r"v \(2, 1, 3, 12\) must agree with k"):
+        attention_column_sums(q, k, 0.25, v=v[:, :1, :3])
+
+
 def test_column_sums_tau_and_noise_blockwise():
     b, H, H_kv, n, block = 2, 4, 2, 45, 16  # n not a multiple of block
     q, k = qk(b, H, H_kv, n, 8, seed=20)
