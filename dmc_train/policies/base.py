@@ -17,9 +17,9 @@ compressed once to ``B`` with the scores the prompt produced, and every decode s
 one entry before token t is written (``B`` held at every step); ``prefill`` (kvpress's): the prompt
 is compressed to ``max(1, int(P * (1 - compression_ratio)))`` entries and decoded tokens are appended.
 
-State of ``N`` rows with ``L`` entry slots each (:class:`Entries`): ``positions [N, L]`` int64 (token
-position of the entry, -1 = empty slot), ``scores [N, L]`` fp32, and for hashing policies ``codes
-[N, L, nbytes]`` uint8. The engine's slots are page entries; the parallel form uses slot = position.
+State of ``N`` rows with ``L`` entry slots each (:class:`Entries`): ``positions [N, L]`` int64 or int32 (token
+position of the entry, -1 = empty slot; the engine keeps int32), ``scores [N, L]`` fp32, and for hashing policies
+``codes [N, L, nbytes]`` uint8. The engine's slots are page entries; the parallel form uses slot = position.
 Rows are ordered ``[sequence, KV head]`` (``N = b * H_kv``), which layer-wide aggregation relies on.
 """
 

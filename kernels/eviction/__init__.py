@@ -6,7 +6,7 @@ Layouts: ``priority [..., N, L]`` (any float; higher stays), ``positions [..., N
 holds, -1 empty), ``newest [N]`` int (the incoming token's position, above every entry's); leading dims (e.g. the
 layers of a decode step) share ``newest``. The victim is the lowest priority among the entries outside the
 protected part (the first ``sink`` positions and, with ``recent > 0``, those above ``newest - recent``; an empty
-slot counts as protected), ties to the oldest position. On CPU for fp32 priorities and int64 positions the
+slot counts as protected), ties to the oldest position. On CPU for fp32 priorities and int64 or int32 positions the
 compiled kernel runs (:mod:`kernels.eviction.cpu`), elsewhere the tensor ops (:mod:`kernels.eviction.reference`).
 """
 
@@ -26,7 +26,8 @@ def victims(priority: torch.Tensor, positions: torch.Tensor, newest: torch.Tenso
             recent: int) -> torch.Tensor:
     """Slot ``[..., N]`` (int64) of each row's victim (the module's docstring)."""
     if (get_backend() == "auto" and priority.is_cpu and priority.dtype == torch.float32
-            and positions.dtype == newest.dtype == torch.int64 and priority.shape == positions.shape
+            and positions.dtype in (torch.int64, torch.int32) and newest.dtype == torch.int64
+            and priority.shape == positions.shape
             and priority.dim() >= 2 and newest.shape == priority.shape[-2:-1]
             and priority.is_contiguous() and positions.is_contiguous() and newest.is_contiguous()
             and library() is not None):

@@ -20,15 +20,16 @@ def library() -> Optional[ctypes.CDLL]:
     lib = compiled.load(SOURCE, "the CPU kernel of the eviction policies' victim choice")
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.victims_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
+        lib.victims_f32.argtypes = lib.victims_f32_i32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
     return lib
 
 
 def victims_cpu(priority, positions, newest, sink: int, recent: int) -> torch.Tensor:
-    """:func:`kernels.eviction.victims` by the compiled kernel (fp32 priority, int64 positions and newest, all
-    contiguous)."""
+    """:func:`kernels.eviction.victims` by the compiled kernel (fp32 priority, int64 or int32 positions, int64 newest,
+    all contiguous)."""
     *lead, n, length = priority.shape
     out = torch.empty(*lead, n, dtype=torch.int64)
-    library().victims_f32(priority.data_ptr(), positions.data_ptr(), newest.data_ptr(), out.numel() // max(n, 1), n,
-                          length, sink, recent, out.data_ptr())
+    op = library().victims_f32 if positions.dtype == torch.int64 else library().victims_f32_i32
+    op(priority.data_ptr(), positions.data_ptr(), newest.data_ptr(), out.numel() // max(n, 1), n, length, sink, recent,
+       out.data_ptr())
     return out

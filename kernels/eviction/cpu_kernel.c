@@ -4,35 +4,39 @@
 #include <math.h>
 #include <stdint.h>
 
-/* priority [lead, n, len] fp32, positions [lead, n, len] int64 (-1: an empty slot), newest [n] int64; out
- * [lead, n] int64: per row the slot of the lowest priority among entries not protected (position < sink, or with
- * recent > 0 position > newest - recent: those rank +inf), ties to the smallest position, then the first slot;
- * a NaN priority among the ranked makes the row's choice slot 0 (as the tensor ops: no value equals NaN). */
-void victims_f32(const float *priority, const int64_t *positions, const int64_t *newest, int64_t lead, int64_t n,
-                 int64_t len, int64_t sink, int64_t recent, int64_t *out) {
-  for (int64_t row = 0; row < lead * n; ++row) {
-    const float *p = priority + row * len;
-    const int64_t *pos = positions + row * len, floor = newest[row % n] - recent;
-    float low = INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(min : low) reduction(| : nan)
-    for (int64_t j = 0; j < len; ++j) {
-      const float v = (pos[j] < sink) | ((recent != 0) & (pos[j] > floor)) ? INFINITY : p[j];
-      nan |= v != v;
-      low = v < low ? v : low;
-    }
-    int64_t oldest = INT64_MAX, slot = 0;
-#pragma omp simd reduction(min : oldest)
-    for (int64_t j = 0; j < len; ++j) {
-      const float v = (pos[j] < sink) | ((recent != 0) & (pos[j] > floor)) ? INFINITY : p[j];
-      const int64_t at = v == low ? pos[j] : INT64_MAX;
-      oldest = at < oldest ? at : oldest;
-    }
-    for (int64_t j = 0; j < len && !nan; ++j) /* the first slot holding it */
-      if (pos[j] == oldest && ((pos[j] < sink) | ((recent != 0) & (pos[j] > floor)) ? INFINITY : p[j]) == low) {
-        slot = j;
-        break;
-      }
-    out[row] = slot;
+/* priority [lead, n, len] fp32, positions [lead, n, len] (-1: an empty slot; int64 for victims_f32, int32 for
+ * victims_f32_i32), newest [n] int64; out [lead, n] int64: per row the slot of the lowest priority among entries not
+ * protected (position < sink, or with recent > 0 position > newest - recent: those rank +inf), ties to the smallest
+ * position, then the first slot; a NaN priority among the ranked makes the row's choice slot 0 (as the tensor ops:
+ * no value equals NaN). */
+#define VICTIMS(NAME, POSITION)                                                                                      \
+  void NAME(const float *priority, const POSITION *positions, const int64_t *newest, int64_t lead, int64_t n,        \
+            int64_t len, int64_t sink, int64_t recent, int64_t *out) {                                              \
+    for (int64_t row = 0; row < lead * n; ++row) {                                                                  \
+      const float *p = priority + row * len;                                                                        \
+      const POSITION *pos = positions + row * len;                                                                  \
+      const int64_t floor = newest[row % n] - recent;                                                               \
+      float low = INFINITY;                                                                                         \
+      int nan = 0;                                                                                                  \
+      _Pragma("omp simd reduction(min : low) reduction(| : nan)") for (int64_t j = 0; j < len; ++j) {               \
+        const float v = (pos[j] < sink) | ((recent != 0) & (pos[j] > floor)) ? INFINITY : p[j];                    \
+        nan |= v != v;                                                                                              \
+        low = v < low ? v : low;                                                                                    \
+      }                                                                                                             \
+      int64_t oldest = INT64_MAX, slot = 0;                                                                         \
+      _Pragma("omp simd reduction(min : oldest)") for (int64_t j = 0; j < len; ++j) {                               \
+        const float v = (pos[j] < sink) | ((recent != 0) & (pos[j] > floor)) ? INFINITY : p[j];                    \
+        const int64_t at = v == low ? (int64_t)pos[j] : INT64_MAX;                                                  \
+        oldest = at < oldest ? at : oldest;                                                                         \
+      }                                                                                                             \
+      for (int64_t j = 0; j < len && !nan; ++j) /* the first slot holding it */                                     \
+        if (pos[j] == oldest && ((pos[j] < sink) | ((recent != 0) & (pos[j] > floor)) ? INFINITY : p[j]) == low) { \
+          slot = j;                                                                                                 \
+          break;                                                                                                    \
+        }                                                                                                           \
+      out[row] = slot;                                                                                              \
+    }                                                                                                               \
   }
-}
+
+VICTIMS(victims_f32, int64_t)
+VICTIMS(victims_f32_i32, int32_t)

@@ -241,8 +241,6 @@ class EvictingCache(KVCache):
         full_rows = full.nonzero()[:, 0] if self.wants_evicted and 0 < n_full < len(lens) else None
         flat = rows.flatten()  # index_select: 2-3x faster than indexing by rows [layers, N] on CPU
         state = {name: t.index_select(0, flat).view(*rows.shape, *t.shape[1:]) for name, t in self.row_state().items()}
-        if "positions" in state:
-            state["positions"] = state["positions"].long()
         step = DecodeStep(tuple(seq_ids), layers, rows, lens, new_lens, full, n_full, full_rows, state)
         if n_full == 0:  # every row appends
             step.slots = lens.expand(len(layers), -1)

@@ -21,9 +21,12 @@ def case(lead: tuple, n: int, length: int, seed: int):
 
 @pytest.mark.parametrize("lead", [(), (3,)])
 @pytest.mark.parametrize("sink, recent", [(0, 0), (4, 0), (4, 32), (0, 400)])
-def test_the_kernel_chooses_what_the_tensor_ops_choose(lead, sink, recent):
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_the_kernel_chooses_what_the_tensor_ops_choose(lead, sink, recent, dtype):
+    """int64 or int32 positions (the engine's decode step keeps the cache's int32)."""
     assert cpu.library() is not None, "the eviction kernel did not build (is a C compiler installed?)"
     priority, positions, newest = case(lead, 7, 40, seed=sink + recent)
+    positions = positions.to(dtype)
     priority[..., 1, 5] = float("nan")  # a NaN among the ranked: slot 0, as the tensor ops
     got = cpu.victims_cpu(priority, positions, newest, sink, recent)
     assert torch.equal(got, victims_torch(priority, positions, newest, sink, recent))
@@ -34,5 +37,5 @@ def test_the_kernel_chooses_what_the_tensor_ops_choose(lead, sink, recent):
 
 def test_other_dtypes_take_the_tensor_ops():
     priority, positions, newest = case((), 5, 16, seed=9)
-    got = victims(priority.double(), positions.int(), newest.int(), 2, 4)
+    got = victims(priority.double(), positions.short(), newest.int(), 2, 4)
     assert torch.equal(got, cpu.victims_cpu(priority, positions, newest, 2, 4))
