@@ -267,8 +267,9 @@ class EvictingCache(KVCache):
         """The policy's part of the layers that ran as compiled calls, then the step's per-row state written back."""
         if step.compiled and self.evicting:
             self._update_compiled(step)
+        rows = step.rows.flatten()
         for name, t in self.row_state().items():
-            t[step.rows] = step.state[name].to(t.dtype)
+            t.index_copy_(0, rows, step.state[name].view(len(rows), *t.shape[1:]).to(t.dtype))
 
     def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
         """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at
