@@ -6,7 +6,9 @@
  * PyTorch itself calls (sgemm_, whose address cpu.py hands over: the same routine torch.mm runs for these
  * layouts), and the rest (RMSNorm, RoPE of q and k, the residual adds, SwiGLU) are loops over the rows. RoPE is
  * PyTorch's arithmetic, bit for bit (products rounded before they are added: -ffp-contract=off); RMSNorm's sum
- * and SwiGLU's exp round differently from PyTorch's vectorised ones (within a few ulp).
+ * and SwiGLU's exp round differently from PyTorch's vectorised ones (within a few ulp). The loops spread their rows
+ * over the OpenMP threads from PARALLEL_ROWS rows on (a prefill's; a decode step's few rows stay on one thread, where
+ * waking the others costs more than they save); a row's arithmetic is the same either way.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +16,8 @@
 #include <string.h>
 
 #include "../cpu_math.h" /* exp_nonpos */
+
+#define PARALLEL_ROWS 64
 
 typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
                          const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
@@ -44,6 +48,7 @@ static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t 
 
 /* y = x * rsqrt(mean(x^2) + eps) * w, row by row (x [t, h]). */
 static void rms_norm(const float *x, const float *w, float eps, float *y, int64_t t, int64_t h) {
+#pragma omp parallel for if (t >= PARALLEL_ROWS)
   for (int64_t r = 0; r < t; ++r) {
     const float *xr = x + r * h;
     float *yr = y + r * h;
@@ -62,9 +67,10 @@ static void rms_norm(const float *x, const float *w, float eps, float *y, int64_
 static void rope(float *y, int64_t t, int64_t width, int64_t heads, int64_t d, const float *cos, const float *sin,
                  int64_t sin_heads, int64_t channel, float *channel_out) {
   const int64_t half = d / 2;
-  float x[d];
+#pragma omp parallel for if (t >= PARALLEL_ROWS)
   for (int64_t r = 0; r < t; ++r)
     for (int64_t h = 0; h < heads; ++h) {
+      float x[d];
       float *yh = y + r * width + h * d;
       const float *c = cos + r * d, *s = sin + (r * sin_heads + (sin_heads == 1 ? 0 : h)) * d;
       memcpy(x, yh, sizeof(float) * d);
@@ -91,6 +97,7 @@ int rms_norm_matmul_f32(const float *x, const float *norm_w, float eps, const fl
 /* silu(gate) * up for each row of gate_up [t, 2 f] (gate then up) into act [t, f]. silu(g) = g / (1 + exp(-g)),
  * with exp of -|g| only (no overflow): g >= 0: g / (1 + e); g < 0: g e / (1 + e), e = exp(-|g|). */
 static void swiglu(const float *gate_up, float *act, int64_t t, int64_t f) {
+#pragma omp parallel for if (t >= PARALLEL_ROWS)
   for (int64_t r = 0; r < t; ++r) {
     const float *g = gate_up + r * 2 * f, *u = g + f;
     float *a = act + r * f;
@@ -102,6 +109,14 @@ static void swiglu(const float *gate_up, float *act, int64_t t, int64_t f) {
   }
 }
 
+/* y = a + b over [t, h]. */
+static void add(const float *a, const float *b, float *y, int64_t t, int64_t h) {
+#pragma omp parallel for if (t >= PARALLEL_ROWS)
+  for (int64_t r = 0; r < t; ++r)
+#pragma omp simd
+    for (int64_t c = r * h; c < (r + 1) * h; ++c) y[c] = a[c] + b[c];
+}
+
 /* The layer after its attention: y = x + attn @ o_w, then y += swiglu(rms_norm(y) @ gate_up_w) @ down_w.
  * x, y [t, h]; attn [t, a]; o_w [a, h]; gate_up_w [h, 2 f]; down_w [f, h]. Returns nonzero when out of memory. */
 int layer_output_f32(const float *x, const float *attn, const float *o_w, const float *norm_w, float eps,
@@ -111,12 +126,12 @@ int layer_output_f32(const float *x, const float *attn, const float *o_w, const 
   const int failed = !tmp || !normed || !gate_up || !act;
   if (!failed) {
     matmul(attn, o_w, tmp, t, a, h);
-    for (int64_t i = 0; i < t * h; ++i) y[i] = x[i] + tmp[i];
+    add(x, tmp, y, t, h);
     rms_norm(y, norm_w, eps, normed, t, h);
     matmul(normed, gate_up_w, gate_up, t, h, 2 * f);
     swiglu(gate_up, act, t, f);
     matmul(act, down_w, tmp, t, f, h);
-    for (int64_t i = 0; i < t * h; ++i) y[i] += tmp[i];
+    add(y, tmp, y, t, h);
   }
   free(tmp);
   free(normed);
