@@ -333,7 +333,8 @@ def paged_append_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_tabl
 
 
 def decode_attention(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     heads: tuple[int, int], scale: float, spare: torch.Tensor, spare_left: torch.Tensor,
+                     heads: tuple[int, int], scale: float, spare: torch.Tensor | None,
+                     spare_left: torch.Tensor | None,
                      open_state: torch.Tensor | None = None,
                      open_tokens: torch.Tensor | None = None) -> DecodeAttention | None:
     """A layer's decode step, :func:`paged_append_decode` (or, with DMC's open-slot state, :func:`dmc_decode`, the
@@ -341,8 +342,9 @@ def decode_attention(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
     calls between its projection and its output (:func:`kernels.layer.layer_decode`,
     :func:`kernels.layer.layer_attend_output`), reading q, k and v from the layer's projected heads ``[B, H + 2
     H_kv, d]`` (``heads = (H, H_kv)``) and writing ``[B, H d_v]``; the rows are given per layer
-    (:meth:`DecodeAttention.for_rows`). None where the compiled CPU kernel does not run
-    (:func:`appends_in_attention_call`)."""
+    (:meth:`DecodeAttention.for_rows`). ``spare`` None: no pages lent, for a cache whose rows are grown and whose
+    entries are chosen before the call (an eviction policy's, :meth:`DecodeAttention.at_slots`). None where the
+    compiled CPU kernel does not run (:func:`appends_in_attention_call`)."""
     if not (appends_in_attention_call(k_pages.device, k_pages.dtype) and heads[0] // heads[1] <= MAX_GROUPS
             and decode_step_fits(k_pages, block_table, seq_lens, open_state)):
         return None

@@ -226,7 +226,8 @@ class DecodeAttention:
     state :func:`kernels.paged.dmc_decode`) as a C function a layer kernel calls with its projected heads
     (:func:`kernels.layer.layer_decode`, :func:`kernels.layer.layer_attend_output`): ``function`` (the address of
     ``decode_call_f32``) and ``context`` (the address of its arguments) for the rows given by :meth:`for_rows` (and
-    DMC's decisions by :meth:`with_decisions`, or the rule to take them in the call by :meth:`deciding`), ``width``
+    DMC's decisions by :meth:`with_decisions`, or the rule to take them in the call by :meth:`deciding`; or, for a
+    cache that chose where each row writes, the entries by :meth:`at_slots`), ``width``
     (``H d_v``, the attention's values per token) and
     :meth:`check` (the call's return code as an error). Built by :func:`kernels.paged.decode_attention`; keeps the
     tensors it points into alive."""

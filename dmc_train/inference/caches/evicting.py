@@ -332,8 +332,8 @@ class EvictingCache(KVCache):
                 return None
             if self.evicting:
                 self._policy_step(step, layer, positions)
-                if self.scorer.attention is not None:
-                    step.scores = torch.empty(len(step.layers), len(step.lens), self.budget)
+                if self.scorer.attention is not None:  # zeros: a layer whose call failed adds nothing
+                    step.scores = torch.zeros(len(step.layers), len(step.lens), self.budget)
         index = step.layers.index(layer)
         step.compiled.append(index)
         if step.scores is None:
@@ -357,9 +357,8 @@ class EvictingCache(KVCache):
         """After the compiled calls of ``step.compiled``'s layers: their new entries' keys recorded where the policy
         reads them (read back from the pages at their slots) and their scores updated by what the calls' attention
         wrote, as :meth:`_decode_layer` does after its attention; every layer at once when all of them ran so."""
-        if len(step.compiled) == len(step.layers):
-            parts = [(slice(None), self._layer_ids if len(step.layers) == self.num_layers else
-                      torch.tensor(step.layers)[:, None, None])]
+        if len(step.compiled) == self.num_layers:  # (a compiled step is begun for every layer)
+            parts = [(slice(None), self._layer_ids)]
         else:  # a step that failed part way
             parts = [(index, step.layers[index]) for index in step.compiled]
         for index, layer in parts:
