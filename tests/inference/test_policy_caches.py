@@ -24,24 +24,25 @@ def new_pool(shape=SHAPE, num_pages=256):
     return PagePool(num_pages, 16, shape.head_dim, 16 * shape.num_layers * shape.num_kv_heads, shape.max_positions)
 
 
-def decode_through_cache(model, cache, sequences, prompt_lens):
+def decode_through_cache(model, cache, sequences, prompt_lens, record=True):
     """:func:`teacher_forced_decode`, also returning, per (sequence, position), the kept positions
-    ``[layers, H_kv, budget]`` right after that position's decode step."""
+    ``[layers, H_kv, budget]`` right after that position's decode step (``record``; reading them writes back the
+    state the cache holds between the steps of an unchanged batch)."""
     kept = {}
 
-    def record(i, t):
+    def on_step(i, t):
         kept[i, t] = cache.positions[cache.rows[i]].clone()
 
-    return teacher_forced_decode(model, cache, sequences, prompt_lens, record), kept
+    return teacher_forced_decode(model, cache, sequences, prompt_lens, on_step if record else None), kept
 
 
-def assert_engine_matches_parallel(model, policy, schedule, sequences, prompt_lens, budget=BUDGET):
+def assert_engine_matches_parallel(model, policy, schedule, sequences, prompt_lens, budget=BUDGET, record=True):
     """The engine's cache and the parallel form: the same log-likelihoods (1e-4 relative) and, for the
-    decode schedule, the same kept positions after every decode step of every sequence."""
+    decode schedule with ``record``, the same kept positions after every decode step of every sequence."""
     options = {"budget": budget, "schedule": schedule}
     s = model.shape
     cache = build_cache(policy, new_pool(s), model, options)
-    got, kept = decode_through_cache(model, cache, sequences, prompt_lens)
+    got, kept = decode_through_cache(model, cache, sequences, prompt_lens, record)
     scorer = build_scorer(policy, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
     for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
         runs = []
@@ -50,7 +51,7 @@ def assert_engine_matches_parallel(model, policy, schedule, sequences, prompt_le
         ll_got, ll_want = (x.log_softmax(-1)[:-1].gather(1, seq[1:, None]).sum() for x in (got[i], want))
         assert torch.allclose(ll_got, ll_want, rtol=1e-4), (float(ll_got), float(ll_want))
         assert torch.allclose(got[i], want, atol=1e-4)
-        if schedule == "prefill":
+        if schedule == "prefill" or not record:
             continue
         for layer, run in enumerate(runs):
             visible = run.visible()[0]  # [H_kv, n, n]
@@ -67,6 +68,16 @@ def test_engine_and_parallel_form_keep_the_same_entries(make_model, policy, sche
     # no token twice in a sequence: Knorm's first-layer ties between copies of a token are float noise
     sequences = [torch.randperm(SHAPE.vocab_size, generator=g)[:n] for n in (48, 41, 45)]
     assert_engine_matches_parallel(make_model("full"), policy, schedule, sequences, prompt_lens=[7, 1, 30])
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_state_held_between_steps_decodes_as_written_back_each_step(make_model, policy):
+    """Unread between the steps of an unchanged batch, the per-entry state stays in the steps' gathered layout
+    (written back when the batch changes: here as sequences finish): the parallel form's logits all the same."""
+    g = torch.Generator().manual_seed(4)
+    sequences = [torch.randperm(SHAPE.vocab_size, generator=g)[:n] for n in (40, 47, 44)]
+    assert_engine_matches_parallel(make_model("full"), policy, "decode", sequences, prompt_lens=[9, 2, 25],
+                                   record=False)
 
 
 def kvpress_kept(policy, q, k, ratio):

@@ -98,21 +98,31 @@ class EvictingCache(KVCache):
         self.evicting = scorer.cfg.schedule == "decode"
         rows = pool.block_table.shape[0]
         width = budget if self.evicting else 0  # the prefill schedule keeps no state past the prompt
-        self.positions = torch.full((rows, width), -1, dtype=torch.int32)
-        self.scores = torch.zeros(rows, width)
-        self.codes = torch.zeros(rows, width, -(-scorer.code_bits // 8), dtype=torch.uint8)
+        self._positions = torch.full((rows, width), -1, dtype=torch.int32)
+        self._scores = torch.zeros(rows, width)
+        self._codes = torch.zeros(rows, width, -(-scorer.code_bits // 8), dtype=torch.uint8)
         self.prompt_len = torch.zeros(rows, dtype=torch.int32)
         self.horizon = torch.zeros(rows, dtype=torch.int32)
         self._layer_ids = torch.arange(num_layers)[:, None, None]  # Step.layer of every layer's entries at once
 
+    positions = property(lambda self: self._current("_positions"), doc="``[rows, budget]`` int32: each entry's token "
+                         "position, -1 empty (the running rows' written back first, :meth:`row_state`)")
+    scores = property(lambda self: self._current("_scores"), doc="``[rows, budget]`` fp32: each entry's score")
+    codes = property(lambda self: self._current("_codes"), doc="``[rows, budget, nbytes]`` uint8: hash codes")
+
     def add(self, seq_id: int, max_new_tokens: int = 0) -> None:
+        self._write_back()
         super().add(seq_id, max_new_tokens)
         rows = self.rows[seq_id].flatten()
-        self.positions[rows], self.scores[rows], self.codes[rows] = -1, 0, 0
+        self._positions[rows], self._scores[rows], self._codes[rows] = -1, 0, 0
         self.horizon[rows] = max_new_tokens
 
+    def release(self, seq_id: int) -> None:
+        self._write_back()  # before the rows are freed: a new sequence may take them
+        super().release(seq_id)
+
     def state_bytes(self, seq_id: int) -> int:
-        per_row = sum(t[0].nbytes for t in (self.positions, self.scores, self.codes, self.prompt_len, self.horizon))
+        per_row = sum(t[0].nbytes for t in (self._positions, self._scores, self._codes, self.prompt_len, self.horizon))
         return per_row * self.rows[seq_id].numel()
 
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
@@ -120,15 +130,37 @@ class EvictingCache(KVCache):
     _facts: Optional[tuple] = None  # (batch rows, heads, prompt_len, horizon) of the running batch (_row_facts)
     _full_plan: Optional[tuple] = None  # (batch rows, layers, plan) of the last step whose rows were all full (_plan)
     _call: Optional[tuple] = None  # (query heads, the compiled write and attention) (_compiled_call)
+    _held: Optional[tuple] = None  # (rows, state) of the last step, not yet written back (_finish)
 
     def row_state(self) -> dict[str, torch.Tensor]:
-        """The per-row state a decode step reads and updates (name -> ``[rows, ...]``, an attribute of the cache)."""
+        """The per-row state a decode step reads and updates (name -> ``[rows, ...]``, the cache's tensors), the
+        running rows' written back first: between the steps of an unchanged batch it stays in the steps' gathered
+        layout (:meth:`_finish`)."""
+        self._write_back()
+        return self._state_tensors()
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """:meth:`row_state` as stored (the running batch's rows possibly behind the held state)."""
         if not self.evicting:
             return {}
-        state = {"positions": self.positions, "scores": self.scores}
+        state = {"positions": self._positions, "scores": self._scores}
         if self.scorer.code_bits:
-            state["codes"] = self.codes
+            state["codes"] = self._codes
         return state
+
+    def _current(self, name: str) -> torch.Tensor:
+        """The state tensor ``name``, the held rows written back first."""
+        self._write_back()
+        return getattr(self, name)
+
+    def _write_back(self) -> None:
+        """The held state of the last step into the cache's tensors (:meth:`_finish`)."""
+        if self._held is not None:
+            rows, state = self._held
+            self._held = None
+            rows = rows.flatten()
+            for name, t in self._state_tensors().items():
+                t.index_copy_(0, rows, state[name].view(len(rows), *t.shape[1:]).to(t.dtype))
 
     def absorb(self, layer: int, state: dict[str, torch.Tensor], where: Optional[torch.Tensor], k: torch.Tensor,
                v: torch.Tensor) -> None:
@@ -205,10 +237,11 @@ class EvictingCache(KVCache):
                         v[each, kept].reshape(n * keep, -1))
         self.prompt_len[rows] = p
         if self.evicting:
-            self.positions[rows, :keep] = kept.int()
-            self.scores[rows, :keep] = scores.gather(1, kept)
+            state = self.row_state()
+            state["positions"][rows, :keep] = kept.int()
+            state["scores"][rows, :keep] = scores.gather(1, kept)
             if self.scorer.code_bits:
-                self.codes[rows, :keep] = self.scorer.codes(k_kept)
+                state["codes"][rows, :keep] = self.scorer.codes(k_kept)
         return out
 
     def begin_decode(self, seq_ids):
@@ -239,8 +272,12 @@ class EvictingCache(KVCache):
         if n_full < len(lens):
             self.pool.grow(rows.flatten(), new_lens.repeat(len(layers)))
         full_rows = full.nonzero()[:, 0] if self.wants_evicted and 0 < n_full < len(lens) else None
-        flat = rows.flatten()  # index_select: 2-3x faster than indexing by rows [layers, N] on CPU
-        state = {name: t.index_select(0, flat).view(*rows.shape, *t.shape[1:]) for name, t in self.row_state().items()}
+        if self._held is not None and self._held[0] is rows:  # the last step's batch: its state as it left it
+            state = self._held[1]
+        else:
+            flat = rows.flatten()  # index_select: 2-3x faster than indexing by rows [layers, N] on CPU
+            state = {name: t.index_select(0, flat).view(*rows.shape, *t.shape[1:])
+                     for name, t in self.row_state().items()}
         step = DecodeStep(tuple(seq_ids), layers, rows, lens, new_lens, full, n_full, full_rows, state)
         if n_full == 0:  # every row appends
             step.slots = lens.expand(len(layers), -1)
@@ -264,12 +301,14 @@ class EvictingCache(KVCache):
         return cached[2]
 
     def _finish(self, step: DecodeStep) -> None:
-        """The policy's part of the layers that ran as compiled calls, then the step's per-row state written back."""
+        """The policy's part of the layers that ran as compiled calls, then the step's per-row state held for the next
+        step of the same batch (every layer's rows: written back when the batch changes, a sequence joins or leaves,
+        or someone reads the state, :meth:`row_state`), or written back (one layer decoded alone)."""
         if step.compiled and self.evicting:
             self._update_compiled(step)
-        rows = step.rows.flatten()
-        for name, t in self.row_state().items():
-            t.index_copy_(0, rows, step.state[name].view(len(rows), *t.shape[1:]).to(t.dtype))
+        self._held = (step.rows, step.state)
+        if len(step.layers) < self.num_layers:
+            self._write_back()
 
     def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
         """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at

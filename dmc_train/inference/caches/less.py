@@ -65,19 +65,22 @@ class LESSCache(EvictingCache):
         super().__init__(pool, num_layers, num_kv_heads, scale, scorer, budget, context)
         self.weights, self.name = weights, "less"
         rows, dv = pool.block_table.shape[0], pool.v_pages.shape[-1]
-        self.H = torch.zeros(rows, weights.rank, dv)
-        self.z = torch.zeros(rows, weights.rank)
+        self._H = torch.zeros(rows, weights.rank, dv)
+        self._z = torch.zeros(rows, weights.rank)
+
+    H = property(lambda self: self._current("_H"), doc="``[rows, rank, d_v]`` fp32: each row's absorbed pairs")
+    z = property(lambda self: self._current("_z"), doc="``[rows, rank]`` fp32: their normaliser")
 
     def add(self, seq_id: int, max_new_tokens: int = 0) -> None:
         super().add(seq_id, max_new_tokens)
         rows = self.rows[seq_id].flatten()
-        self.H[rows], self.z[rows] = 0, 0
+        self._H[rows], self._z[rows] = 0, 0
 
     def state_bytes(self, seq_id: int) -> int:
-        return super().state_bytes(seq_id) + (self.H[0].nbytes + self.z[0].nbytes) * self.rows[seq_id].numel()
+        return super().state_bytes(seq_id) + (self._H[0].nbytes + self._z[0].nbytes) * self.rows[seq_id].numel()
 
-    def row_state(self) -> dict[str, torch.Tensor]:
-        return {**super().row_state(), "H": self.H, "z": self.z}
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return {**super()._state_tensors(), "H": self._H, "z": self._z}
 
     def absorb(self, layer, state, where, k, v) -> None:
         """The evicted ``k [b, H_kv, m, d]``, ``v [b, H_kv, m, d_v]``: into ``H`` and ``z`` of rows ``where`` of
