@@ -40,6 +40,7 @@ from dmc_train.config import RopeScalingConfig, kv_groups, rope_scaling_of
 from dmc_train.distributed import without_cpu_compat_mode
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
+from dmc_train.inference.caches.base import HeadsFirst
 from dmc_train.inference.caches.less import LESSWeights
 from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.llama_layer import LlamaLayer
@@ -277,8 +278,8 @@ class LlamaForInference:
         without DMC) and the rest of the layer. What every layer shares (RoPE tables, the decision rule) is computed
         once, here. ``compiled(layer)``: the layer's attention as a compiled function (a decode step's,
         ``KVCache.compiled_attention``) or None; with one the whole layer is one call
-        (:meth:`LlamaLayer.decode_with`), or two with DMC's decisions between
-        (:meth:`LlamaLayer.attend_output_with`)."""
+        (:meth:`LlamaLayer.decode_with`), or two with DMC's decisions between, or the cache's own work on the heads
+        (a ``HeadsFirst``: an eviction policy whose victims read the query) (:meth:`LlamaLayer.attend_output_with`)."""
         split, rope_in_input = self._split_heads(positions, raw_qk)
         all_reduce = None if self.group is None else self._all_reduce
         rule = None if self.dmc is None else self._decision_rule(positions)
@@ -286,13 +287,15 @@ class LlamaForInference:
         x = self.embed[tokens]
         for layer in self.layers:
             call = None if compiled is None else compiled(layer.index)
-            if call is not None and self._decides_in_call(call, rule):
+            first = isinstance(call, HeadsFirst)
+            if call is not None and not first and self._decides_in_call(call, rule):
                 x = layer.decode_with(x, rope_in_input, call, channel)
                 continue
             heads, channel_values = layer.attention_input(x, rope_in_input, channel)
             alpha, omega = (None, None) if rule is None else self._decisions(channel_values, rule, positions)
-            if call is not None:  # HardC: PyTorch's decisions over the layer's heads, the rest of the layer one call
-                x = layer.attend_output_with(x, heads, call.with_decisions(alpha, omega))
+            if call is not None:  # the cache reads the heads first, or HardC's decisions; the rest is one call
+                call = call.build(heads) if first else call.with_decisions(alpha, omega)
+                x = layer.attend_output_with(x, heads, call)
                 continue
             x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), all_reduce)
         return x

@@ -20,6 +20,7 @@ import torch
 
 from dmc_train.errors import ConfigError
 from dmc_train.policies.base import PolicyConfig, Scorer
+from kernels.eviction import hamming_sums
 
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
 
@@ -87,5 +88,4 @@ class LSHE(Scorer):
         return -total / seen_by
 
     def priority(self, entries, q, step):
-        qc = self.codes(q)  # [N, G, nbytes]
-        return -hamming(qc[:, :, None], entries.codes[:, None]).sum(1).float()
+        return -hamming_sums(self.codes(q), entries.codes).float()  # query codes [N, G, nbytes]

@@ -1,6 +1,7 @@
-"""The eviction policies' per-step op: which entry of each row a new token replaces.
+"""The eviction policies' per-step ops: which entry of each row a new token replaces, and LSH-E's distances.
 
     slot = victims(priority, positions, newest, sink, recent)    # [..., N, L] -> [..., N]
+    dist = hamming_sums(query_codes, codes)                      # [N, G, nbytes], [..., N, L, nbytes] -> [..., N, L]
 
 Layouts: ``priority [..., N, L]`` (any float; higher stays), ``positions [..., N, L]`` int (the token each slot
 holds, -1 empty), ``newest [N]`` int (the incoming token's position, above every entry's); leading dims (e.g. the
@@ -16,10 +17,10 @@ import torch
 
 from kernels.backend import get_backend
 
-from .cpu import library, victims_cpu
-from .reference import victims_torch
+from .cpu import hamming_sums_cpu, library, victims_cpu
+from .reference import hamming_sums_torch, victims_torch
 
-__all__ = ["victims"]
+__all__ = ["hamming_sums", "victims"]
 
 
 def victims(priority: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor, sink: int,
@@ -33,3 +34,17 @@ def victims(priority: torch.Tensor, positions: torch.Tensor, newest: torch.Tenso
             and library() is not None):
         return victims_cpu(priority, positions, newest, int(sink), int(recent))
     return victims_torch(priority, positions, newest, sink, recent)
+
+
+def hamming_sums(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``[..., N, L]`` int32: for each row and entry, the Hamming distance between the entry's packed code and each of
+    the row's G query codes, summed over the G (LSH-E's distance). ``queries [N, G, nbytes]``, ``codes [..., N, L,
+    nbytes]`` uint8 (leading dims, e.g. the layers of a step, share the queries)."""
+    if (queries.dim() != 3 or codes.dim() < 3 or codes.shape[-3] != queries.shape[0]
+            or codes.shape[-1] != queries.shape[-1]):
+        raise ValueError(f"queries must be [N, G, nbytes] and codes [..., N, L, nbytes], got {tuple(queries.shape)} "
+                         f"and {tuple(codes.shape)}")
+    if (get_backend() == "auto" and queries.is_cpu and codes.is_cpu and queries.dtype == codes.dtype == torch.uint8
+            and queries.is_contiguous() and codes.is_contiguous() and library() is not None):
+        return hamming_sums_cpu(queries, codes)
+    return hamming_sums_torch(queries, codes)

@@ -21,7 +21,17 @@ def library() -> Optional[ctypes.CDLL]:
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.victims_f32.argtypes = lib.victims_f32_i32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
+        lib.hamming_sums_u8.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr]
     return lib
+
+
+def hamming_sums_cpu(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """:func:`kernels.eviction.hamming_sums` by the compiled kernel (uint8, contiguous)."""
+    *lead, n, length, nbytes = codes.shape
+    out = torch.empty(*lead, n, length, dtype=torch.int32)
+    library().hamming_sums_u8(queries.data_ptr(), codes.data_ptr(), out.numel() // max(n * length, 1), n,
+                              queries.shape[1], length, nbytes, out.data_ptr())
+    return out
 
 
 def victims_cpu(priority, positions, newest, sink: int, recent: int) -> torch.Tensor:

@@ -40,3 +40,18 @@
 
 VICTIMS(victims_f32, int64_t)
 VICTIMS(victims_f32_i32, int32_t)
+
+/* LSH-E's distances: out[row, j] = sum over the g query codes of row `row % n` of popcount(query ^ code j of the row),
+ * codes packed in nbytes bytes. queries [n, g, nbytes], codes [lead, n, len, nbytes] uint8; out [lead, n, len] int32. */
+void hamming_sums_u8(const uint8_t *queries, const uint8_t *codes, int64_t lead, int64_t n, int64_t g, int64_t len,
+                     int64_t nbytes, int32_t *out) {
+  for (int64_t row = 0; row < lead * n; ++row) {
+    const uint8_t *q = queries + (row % n) * g * nbytes, *c = codes + row * len * nbytes;
+    for (int64_t j = 0; j < len; ++j) {
+      int32_t sum = 0;
+      for (int64_t h = 0; h < g; ++h)
+        for (int64_t b = 0; b < nbytes; ++b) sum += __builtin_popcount((unsigned)(q[h * nbytes + b] ^ c[j * nbytes + b]));
+      out[row * len + j] = sum;
+    }
+  }
+}

@@ -1,5 +1,5 @@
-"""The eviction policies' victim choice in tensor ops (:func:`kernels.eviction.victims` elsewhere than the
-compiled CPU kernel, and what it is tested against)."""
+"""The eviction policies' ops in tensor ops (:func:`kernels.eviction.victims`, :func:`kernels.eviction.hamming_sums`
+elsewhere than the compiled CPU kernel, and what it is tested against)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,12 @@ def victims_torch(priority: torch.Tensor, positions: torch.Tensor, newest: torch
     ranked = priority.masked_fill(keep, float("inf"))
     not_lowest = ranked != ranked.amin(-1, keepdim=True)
     return positions.masked_fill(not_lowest, torch.iinfo(positions.dtype).max).argmin(-1)
+
+
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
+
+
+def hamming_sums_torch(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """:func:`kernels.eviction.hamming_sums` in tensor ops."""
+    popcount = _POPCOUNT.to(codes.device)
+    return popcount[(queries[:, :, None] ^ codes[..., None, :, :]).int()].sum((-1, -3), dtype=torch.int32)

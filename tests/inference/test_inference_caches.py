@@ -248,12 +248,13 @@ def test_a_dmc_step_that_may_not_find_its_pages_changes_nothing(make_model):
 
 
 @pytest.mark.parametrize("variant", ["full", "dmc_exact", "dmc_window", "dmc_hardc", "fixed_pooling", "h2o",
-                                     "tova", "keyformer", "knorm", "streaming_llm", "h2o:prefill"])
+                                     "tova", "keyformer", "knorm", "streaming_llm", "lsh_e", "h2o:prefill"])
 def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model, variant):
     """On CPU in fp32 a decode step runs each layer in one compiled call (projection, the cache's update and
     attention as a C function, output: LlamaLayer.decode_with; DMC's decisions taken in the call from the decision
     channel; an eviction policy's write at the victims' slots and attention with its per-entry scores, the scores
-    updated at the step's end), or for HardC in two around PyTorch's decisions (LlamaLayer.attend_output_with).
+    updated at the step's end), or in two around PyTorch's decisions for HardC and around the victims chosen from
+    each layer's query for LSH-E (LlamaLayer.attend_output_with).
     Against the same steps with the layer's three calls (the cache's compiled_attention declined), as rows cross
     page boundaries and the policies' rows fill their budget, with 16 sequences (32 rows a layer: PyTorch's sigmoid
     runs its vector path on them): the same decisions (entries per row) and pages; the logits, entries, open-slot

@@ -62,6 +62,15 @@ class TokenInfo:
 
 
 @dataclass
+class HeadsFirst:
+    """A layer's compiled attention that exists only once the layer's heads do (an eviction policy whose victims read
+    the query): the model projects, then ``build(heads [B, H + 2 H_kv, d])`` gives the compiled attention, which runs
+    with the layer's output in one call (:meth:`KVCache.compiled_attention`)."""
+
+    build: Callable[[torch.Tensor], Any]
+
+
+@dataclass
 class LentStep:
     """A decode step whose layers take their pages as they append (:meth:`KVCache.begin_lent_step`): its
     ``seq_ids``, every layer's ``rows [layers, B * H_kv]`` (sequence-major), the pages lent to it, and the step as a
@@ -140,7 +149,8 @@ class KVCache:
         """Layer ``layer``'s work in the decode step begun as a compiled function that the layer's kernel calls
         between its projection and its output (:class:`kernels.layer.CompiledAttention`, over the ``num_heads``
         query heads and this cache's KV heads, the step's tokens at ``positions [B]``: the model then runs the whole
-        layer in one call, ``LlamaLayer.decode_with``), or None: the model calls :meth:`decode`."""
+        layer in one call, ``LlamaLayer.decode_with``), a :class:`HeadsFirst` (it needs the projected heads first:
+        the model then runs the layer in two calls), or None: the model calls :meth:`decode`."""
         return None
 
     def prefill_varlen(self, layer: int, seq_ids: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -25,12 +25,13 @@ Subclasses that absorb what is evicted (LESS) override :meth:`absorb`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from dmc_train.inference.caches.base import KVCache, TokenInfo
+from dmc_train.inference.caches.base import HeadsFirst, KVCache, TokenInfo
 from dmc_train.inference.caches.full import causal_attention
 from dmc_train.inference.pool import PagePool
 from dmc_train.policies.base import Entries, Scorer, Step, insert, record_keys, record_token, victim_slots
@@ -63,7 +64,8 @@ class DecodeStep:
     - ``call``: the layers' write and attention as a compiled function (:meth:`~EvictingCache.compiled_attention`;
       False where it does not run), ``scores [len(layers), N, budget]``: the per-entry scores its calls write for
       the policy, ``compiled``: the indices (into ``layers``) of the layers it ran, whose policy update waits for
-      :meth:`~EvictingCache.end_decode`."""
+      :meth:`~EvictingCache.end_decode`; ``choosing``: ``slots`` filled layer by layer as the compiled calls choose
+      them from each layer's query."""
 
     seq_ids: tuple
     layers: list[int]
@@ -82,6 +84,7 @@ class DecodeStep:
     call: Any = None
     scores: Optional[torch.Tensor] = None
     compiled: list[int] = field(default_factory=list)
+    choosing: bool = False
 
 
 class EvictingCache(KVCache):
@@ -356,12 +359,14 @@ class EvictingCache(KVCache):
         return slot, self.pool.slots(step.rows[index], slot)
 
     def compiled_attention(self, layer, num_heads, positions):
-        """In a begun step whose victims are known before the layers' queries (the priority reads the entries alone)
-        and whose evicted entries go nowhere (not LESS): the layer's write of each row's entry at its slot and the
-        attention over the rows, with the per-entry scores the policy reads, as the compiled function the layer
-        kernel calls (:meth:`kernels.paged.DecodeAttention.at_slots`). Every layer's victims are chosen and the new
-        token recorded at the first layer (:meth:`_policy_step`); the scores of the layers so run are updated at the
-        step's end (:meth:`_update_compiled`), which changes nothing else: a layer's state is its own."""
+        """In a begun step whose evicted entries go nowhere (not LESS): the layer's write of each row's entry at its
+        slot and the attention over the rows, with the per-entry scores the policy reads, as the compiled function
+        the layer kernel calls (:meth:`kernels.paged.DecodeAttention.at_slots`). When the priority reads the entries
+        alone, every layer's victims are chosen and the new token recorded at the first layer (:meth:`_policy_step`);
+        when it reads the query (LSH-E) and some row is full, each layer's are chosen from its projected heads
+        (:class:`~dmc_train.inference.caches.base.HeadsFirst`, :meth:`_choose_from_heads`). The scores of the layers
+        so run are updated at the step's end (:meth:`_update_compiled`), which changes nothing else: a layer's state
+        is its own."""
         step = self._step
         if step is None or step.call is False:
             return None
@@ -371,20 +376,41 @@ class EvictingCache(KVCache):
                 return None
             if self.evicting:
                 self._policy_step(step, layer, positions)
+                if step.slots is None:  # chosen layer by layer, from the queries
+                    step.slots, step.choosing = torch.empty(len(step.layers), len(step.lens), dtype=torch.long), True
                 if self.scorer.attention is not None:  # zeros: a layer whose call failed adds nothing
                     step.scores = torch.zeros(len(step.layers), len(step.lens), self.budget)
         index = step.layers.index(layer)
         step.compiled.append(index)
+        if step.choosing:
+            return HeadsFirst(functools.partial(self._choose_from_heads, step, index, num_heads))
+        return self._write_at_slots(step, index)
+
+    def _write_at_slots(self, step: DecodeStep, index: int):
+        """The compiled call of layer ``step.layers[index]``: its rows written at ``step.slots[index]``, attended, the
+        scores into ``step.scores[index]``."""
+        call = step.call.for_rows(step.rows[index])
         if step.scores is None:
-            return step.call.for_rows(step.rows[index]).at_slots(step.slots[index])
-        return step.call.for_rows(step.rows[index]).at_slots(step.slots[index], step.scores[index],
-                                                             self.scorer.attention)
+            return call.at_slots(step.slots[index])
+        return call.at_slots(step.slots[index], step.scores[index], self.scorer.attention)
+
+    def _choose_from_heads(self, step: DecodeStep, index: int, num_heads: int, heads: torch.Tensor):
+        """Layer ``step.layers[index]``'s victims from its queries (a view of its projected heads ``[B, H + 2 H_kv,
+        d]``), the new token's position recorded at them, then its compiled call (:meth:`_write_at_slots`)."""
+        n = len(step.lens)
+        q = heads[:, :num_heads].reshape(n, num_heads // self.num_kv_heads, -1)  # [N, G, d]
+        entries, policy = self._entries(step, index), dataclasses.replace(step.policy, layer=step.layers[index])
+        victim = victim_slots(self.scorer, entries, q, policy, self.budget)
+        slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
+        record_token(self.scorer, entries, slot, policy.t)
+        step.slots[index] = slot
+        return self._write_at_slots(step, index)
 
     def _compiled_call(self, num_heads: int):
         """The layers' compiled write and attention (:func:`kernels.paged.decode_attention` without pages to lend,
-        built once), or None where it does not run or the step needs more between the projection and the attention
-        (a priority that reads the query, evicted entries to absorb)."""
-        if self.wants_evicted or (self.evicting and self.scorer.query_priority):
+        built once), or None where it does not run or the step needs more between the attention and the next layer
+        (evicted entries to absorb: LESS)."""
+        if self.wants_evicted:
             return None
         if self._call is None or self._call[0] != num_heads:
             pool = self.pool

@@ -1,10 +1,11 @@
-"""The victim choice (kernels/eviction): the compiled CPU kernel against the tensor ops, edge cases included."""
+"""The victim choice and LSH-E's distances (kernels/eviction): the compiled CPU kernel against the tensor ops, edge
+cases included."""
 
 import pytest
 import torch
 
-from kernels.eviction import cpu, victims
-from kernels.eviction.reference import victims_torch
+from kernels.eviction import cpu, hamming_sums, victims
+from kernels.eviction.reference import hamming_sums_torch, victims_torch
 
 
 def case(lead: tuple, n: int, length: int, seed: int):
@@ -39,3 +40,21 @@ def test_other_dtypes_take_the_tensor_ops():
     priority, positions, newest = case((), 5, 16, seed=9)
     got = victims(priority.double(), positions.short(), newest.int(), 2, 4)
     assert torch.equal(got, cpu.victims_cpu(priority, positions, newest, 2, 4))
+
+
+@pytest.mark.parametrize("lead, nbytes", [((), 2), ((3,), 1), ((2,), 5)])
+def test_hamming_sums_kernel_equals_the_tensor_ops_and_popcount(lead, nbytes):
+    """LSH-E's distances: the compiled kernel, the tensor ops and a popcount by hand agree."""
+    g = torch.Generator().manual_seed(nbytes)
+    queries = torch.randint(0, 256, (6, 3, nbytes), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 256, (*lead, 6, 11, nbytes), generator=g, dtype=torch.uint8)
+    got = cpu.hamming_sums_cpu(queries, codes)
+    assert got.shape == (*lead, 6, 11) and got.dtype == torch.int32
+    assert torch.equal(got, hamming_sums_torch(queries, codes))
+    assert torch.equal(hamming_sums(queries, codes), got)  # what auto runs here
+    r, j = 4, 7
+    by_hand = sum(bin(int(a) ^ int(b)).count("1") for h in range(3)
+                  for a, b in zip(queries[r, h], codes[(0,) * len(lead) + (r, j)]))
+    assert int(got[(0,) * len(lead) + (r, j)]) == by_hand
+    with pytest.raises(ValueError, match="queries must be"):
+        hamming_sums(queries[:, 0], codes)
