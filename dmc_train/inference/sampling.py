@@ -1,7 +1,7 @@
 """Next-token sampling and stop rules for the inference engine.
 
 ``SamplingParams`` holds one request's options, ``sample`` picks the next token of every row of a
-batch (greedy rows by one blockwise argmax, :func:`greedy`; sampled rows one at a time on the row's own
+batch (greedy rows by one argmax, :func:`kernels.sampling.argmax`; sampled rows one at a time on the row's own
 generator, so a seeded request draws the same tokens whatever else is in the batch), and ``StopChecker``
 decides when a request is finished.
 """
@@ -16,16 +16,13 @@ from typing import Optional
 import torch
 
 from dmc_train.errors import InferenceError
+from kernels.sampling import argmax
 
 # Cumulative sums carry float32 rounding, so a nucleus that reaches top_p up to this relative
 # error counts as reaching it (probs [0.5, 0.3, 0.2] at top_p=0.5 keep token 0 only).
 _TOP_P_RTOL = 1e-6
 
 STOP_REASONS = ("stop_token", "eos", "stop_string", "length")
-
-# greedy(): entries per block. On CPU argmax is a scalar loop and amax a vectorised one; 128 was the fastest
-# block for 4,096-32,000 ids and 4-16 rows.
-_ARGMAX_BLOCK = 128
 
 
 def _is_int(value) -> bool:
@@ -108,32 +105,16 @@ def sample(
         )
     logits = logits.float()
     if all(p.temperature == 0 for p in params):  # every row greedy: one argmax
-        return greedy(logits)
+        return argmax(logits)  # kernels.sampling: one compiled call on CPU (argmax itself is a scalar loop there)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy_rows:
         rows = torch.tensor(greedy_rows, device=logits.device)
-        tokens[rows] = greedy(logits[rows])
+        tokens[rows] = argmax(logits[rows])
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature > 0:
             tokens[i] = _draw(logits[i], p, gen)
     return tokens
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` of ``logits [B, V]`` (int64 ``[B]``, ties and NaN as ``argmax``: the first maximum)
-    in two short passes: the block of ``_ARGMAX_BLOCK`` entries holding each row's first maximum (``amax`` of
-    every block, then ``argmax`` over the ``V / 128`` block maxima), then the first maximum inside it. The same
-    tokens, 4-8x faster on CPU (a batch of 16 rows of 4,096 ids: 115 -> 31 us)."""
-    b, vocab = logits.shape
-    if vocab <= _ARGMAX_BLOCK:
-        return logits.argmax(-1)
-    if vocab % _ARGMAX_BLOCK:  # padding never wins: -inf is below every id's logit or ties an all -inf row at 0
-        logits = torch.nn.functional.pad(logits, (0, _ARGMAX_BLOCK - vocab % _ARGMAX_BLOCK), value=float("-inf"))
-    blocks = logits.reshape(b, -1, _ARGMAX_BLOCK)  # [B, blocks, 128]
-    best = blocks.amax(-1).argmax(-1)  # [B]: the first block holding the row's maximum
-    inside = blocks[torch.arange(b, device=logits.device), best].argmax(-1)
-    return best * _ARGMAX_BLOCK + inside
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, gen: Optional[torch.Generator]) -> torch.Tensor:

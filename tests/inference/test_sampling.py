@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dmc_train.inference.sampling import SamplingParams, StopChecker, greedy, make_generator, sample
+from dmc_train.inference.sampling import SamplingParams, StopChecker, make_generator, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.2])
 
@@ -28,23 +28,6 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_index():
     tokens = sample(logits, params, [None] * 4)
     assert tokens.dtype == torch.int64 and tokens.shape == (4,)
     assert tokens.tolist() == logits.argmax(-1).tolist() and tokens[1] == 7
-
-
-@pytest.mark.parametrize("vocab", [50, 128, 300, 4096])
-def test_blockwise_greedy_equals_argmax(vocab):
-    """``greedy`` (argmax in blocks) gives ``argmax``'s index: ties to the first, across and inside blocks, NaN
-    first, rows of -inf, a vocabulary that is not a whole number of blocks, a sliced (non-contiguous) batch."""
-    logits = random_logits(rows=8, vocab=vocab)
-    top = logits.max() + 1
-    logits[1, 3] = logits[1, vocab - 1] = top  # a tie across blocks
-    logits[2, vocab // 2] = logits[2, vocab // 2 + 1] = top  # a tie inside a block
-    logits[3] = float("-inf")
-    logits[4, vocab - 2] = float("nan")
-    logits[4, 0] = float("inf")
-    logits[5] = 0.0
-    logits[6, vocab - 1] = top  # the last id
-    assert greedy(logits).tolist() == logits.argmax(-1).tolist()
-    assert greedy(logits[:, : vocab - 1]).tolist() == logits[:, : vocab - 1].argmax(-1).tolist()
 
 
 def test_seeded_draws_repeat_and_do_not_depend_on_the_other_rows():

@@ -1,0 +1,31 @@
+"""Greedy sampling compiled for the CPU: ``cpu_kernel.c`` (built on first use, :mod:`kernels.compiled`)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kernels import compiled
+
+SOURCE = Path(__file__).with_name("cpu_kernel.c")
+
+
+@functools.cache
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled op, or None (with one warning) when it cannot be built here."""
+    lib = compiled.load(SOURCE, "the CPU kernel of greedy sampling")
+    if lib is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
+    return lib
+
+
+def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
+    """:func:`kernels.sampling.argmax` by the compiled kernel (fp32, rows with a unit stride along the vocabulary)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    library().argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
+    return out
