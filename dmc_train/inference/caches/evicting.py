@@ -18,8 +18,10 @@ entries; decoded tokens are appended without eviction.
 
 State beside the pages, per row and entry slot (counted in :meth:`state_bytes`): ``positions``
 (int32, -1 = empty), ``scores`` (fp32), ``codes`` (uint8, hashing policies); per row the prompt
-length and the generation length (Keyformer's temperature). Layouts ``[rows, budget(, nbytes)]``.
-Subclasses that absorb what is evicted (LESS) override :meth:`absorb`.
+length and the generation length (Keyformer's temperature). Layouts ``[rows, budget(, nbytes)]``. A decode step
+gathers its rows' state once; between the steps of an unchanged batch it stays in that layout, written back when the
+batch changes (a sequence joins or leaves) or the state is read (:meth:`EvictingCache.row_state`, the ``positions``,
+``scores``, ``codes`` properties). Subclasses that absorb what is evicted (LESS) override :meth:`absorb`.
 """
 
 from __future__ import annotations
