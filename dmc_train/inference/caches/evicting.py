@@ -383,9 +383,9 @@ class EvictingCache(KVCache):
                 if self.scorer.attention is not None:  # zeros: a layer whose call failed adds nothing
                     step.scores = torch.zeros(len(step.layers), len(step.lens), self.budget)
         index = step.layers.index(layer)
-        step.compiled.append(index)
         if step.choosing:
             return HeadsFirst(functools.partial(self._choose_from_heads, step, index, num_heads))
+        step.compiled.append(index)
         return self._write_at_slots(step, index)
 
     def _write_at_slots(self, step: DecodeStep, index: int):
@@ -406,6 +406,7 @@ class EvictingCache(KVCache):
         slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
         record_token(self.scorer, entries, slot, policy.t)
         step.slots[index] = slot
+        step.compiled.append(index)
         return self._write_at_slots(step, index)
 
     def _compiled_call(self, num_heads: int):
