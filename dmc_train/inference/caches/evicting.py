@@ -56,8 +56,8 @@ class DecodeStep:
       ``full_rows``: their indices ``[n_full]`` when only some are full and the cache absorbs what it evicts (LESS);
     - ``plan``: the attention plan over the lengths after the step, for every layer of ``rows`` (built by the first
       layer that attends through :meth:`~EvictingCache.attend`);
-    - ``state``: the per-row state of ``rows``, gathered once (name -> ``[len(layers), N, ...]``) and written
-      back by :meth:`~EvictingCache.end_decode`;
+    - ``state``: the per-row state of ``rows``, gathered once (name -> ``[len(layers), N, ...]``; or the last step's,
+      held for an unchanged batch) and held or written back by :meth:`~EvictingCache.end_decode`;
     - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
     - ``slots [len(layers), N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
       slot, for every layer at once when the policy's priority does not read the query (else None: chosen
@@ -344,10 +344,13 @@ class EvictingCache(KVCache):
     def _choose_all(self, step: DecodeStep) -> None:
         """``step.slots`` of every layer at once: one victim choice over the entries of every layer ``[layers, N, L]``
         (the priority reads the entries alone)."""
-        st = step.state
-        entries = Entries(st["positions"], st["scores"], st.get("codes"))
-        victim = victim_slots(self.scorer, entries, None, step.policy, self.budget)  # [layers, N]
-        step.slots = victim if step.n_full == len(step.lens) else torch.where(step.full, victim, step.lens)
+        step.slots = self._slots(step, self._entries(step, slice(None)), None, step.policy)  # [layers, N]
+
+    def _slots(self, step: DecodeStep, entries: Entries, q: Optional[torch.Tensor], policy: Step) -> torch.Tensor:
+        """The entry ``[..., N]`` each row writes: its victim when full (the priority over ``entries``, with the
+        queries ``q [N, G, d]`` when it reads them), else ``lens``."""
+        victim = victim_slots(self.scorer, entries, q, policy, self.budget)
+        return victim if step.n_full == len(step.lens) else torch.where(step.full, victim, step.lens)
 
     def _choose(self, step: DecodeStep, index: int, entries: Entries, q: torch.Tensor,
                 policy: Step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,9 +358,7 @@ class EvictingCache(KVCache):
         its flat page slot ``[N]``: chosen for every layer at once, or here with the layer's ``q [B, H, d]``."""
         if step.slots is not None:
             return step.slots[index], self._flat(step)[index]
-        n = len(step.lens)
-        victim = victim_slots(self.scorer, entries, q.reshape(n, -1, q.shape[-1]), policy, self.budget)
-        slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
+        slot = self._slots(step, entries, q.reshape(len(step.lens), -1, q.shape[-1]), policy)
         return slot, self.pool.slots(step.rows[index], slot)
 
     def compiled_attention(self, layer, num_heads, positions):
@@ -402,8 +403,7 @@ class EvictingCache(KVCache):
         n = len(step.lens)
         q = heads[:, :num_heads].reshape(n, num_heads // self.num_kv_heads, -1)  # [N, G, d]
         entries, policy = self._entries(step, index), dataclasses.replace(step.policy, layer=step.layers[index])
-        victim = victim_slots(self.scorer, entries, q, policy, self.budget)
-        slot = victim if step.n_full == n else torch.where(step.full, victim, step.lens)
+        slot = self._slots(step, entries, q, policy)
         record_token(self.scorer, entries, slot, policy.t)
         step.slots[index] = slot
         step.compiled.append(index)
