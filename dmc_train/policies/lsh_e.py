@@ -20,19 +20,12 @@ import torch
 
 from dmc_train.errors import ConfigError
 from dmc_train.policies.base import PolicyConfig, Scorer
-from kernels.eviction import hamming_sums
-
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
+from kernels.eviction import hamming, hamming_sums
 
 
 def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` (itself when it is there already: no call)."""
     return t if t.device == device else t.to(device)
-
-
-def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Hamming distance of packed codes ``a [..., nbytes]`` and ``b [..., nbytes]`` (broadcast) -> ``[...]``."""
-    return on(_POPCOUNT, a.device)[(a ^ b).int()].sum(-1)
 
 
 @dataclass

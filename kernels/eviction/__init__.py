@@ -2,6 +2,7 @@
 
     slot = victims(priority, positions, newest, sink, recent)    # [..., N, L] -> [..., N]
     dist = hamming_sums(query_codes, codes)                      # [N, G, nbytes], [..., N, L, nbytes] -> [..., N, L]
+    dist = hamming(a, b)                                         # [..., nbytes] (broadcast) -> [...]: tensor ops
 
 Layouts: ``priority [..., N, L]`` (any float; higher stays), ``positions [..., N, L]`` int (the token each slot
 holds, -1 empty), ``newest [N]`` int (the incoming token's position, above every entry's); leading dims (e.g. the
@@ -18,9 +19,9 @@ import torch
 from kernels.backend import get_backend
 
 from .cpu import hamming_sums_cpu, library, victims_cpu
-from .reference import hamming_sums_torch, victims_torch
+from .reference import hamming, hamming_sums_torch, victims_torch
 
-__all__ = ["hamming_sums", "victims"]
+__all__ = ["hamming", "hamming_sums", "victims"]
 
 
 def victims(priority: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor, sink: int,

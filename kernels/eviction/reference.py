@@ -22,7 +22,12 @@ def victims_torch(priority: torch.Tensor, positions: torch.Tensor, newest: torch
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
 
 
+def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Hamming distance of packed codes ``a [..., nbytes]`` and ``b [..., nbytes]`` (uint8, broadcast) -> ``[...]``."""
+    popcount = _POPCOUNT if _POPCOUNT.device == a.device else _POPCOUNT.to(a.device)
+    return popcount[(a ^ b).int()].sum(-1)
+
+
 def hamming_sums_torch(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """:func:`kernels.eviction.hamming_sums` in tensor ops."""
-    popcount = _POPCOUNT.to(codes.device)
-    return popcount[(queries[:, :, None] ^ codes[..., None, :, :]).int()].sum((-1, -3), dtype=torch.int32)
+    return hamming(queries[:, :, None], codes[..., None, :, :]).sum(-2, dtype=torch.int32)
