@@ -193,6 +193,16 @@ static void attend_row_sized(const struct attention *a, int64_t r, int64_t len, 
     attend_row(a, r, len, d, dv, kept);
 }
 
+/* attend_row_sized with the logits buffer scores_mode 1 needs (groups x len); returns 1, the row not attended, when
+ * out of memory. */
+static int attend_row_scored(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv) {
+  float *kept = a->scores_mode == 1 ? malloc(sizeof(float) * a->groups * len) : NULL;
+  if (a->scores_mode == 1 && !kept) return 1;
+  attend_row_sized(a, r, len, d, dv, kept);
+  free(kept);
+  return 0;
+}
+
 /* q [rows, groups, d], k_pages [P, page_size, d], v_pages [P, page_size, dv] (contiguous fp32);
  * block_table [rows, table_stride] int32 (row r's pages in order); seq_lens [rows] int64, or int32 when
  * lens_int32 (>= 1);
@@ -218,14 +228,10 @@ int paged_decode_f32(const float *q, float *k_pages, float *v_pages, const int32
       memcpy(k_pages + slots[r] * d, k_new + (r / inner) * sk_outer + (r % inner) * sk_inner, sizeof(float) * d);
       memcpy(v_pages + slots[r] * dv, v_new + (r / inner) * sv_outer + (r % inner) * sv_inner, sizeof(float) * dv);
     }
-    float *kept = scores_mode == 1 ? malloc(sizeof(float) * groups * len) : NULL;
-    if (scores_mode == 1 && !kept) {
+    if (attend_row_scored(&a, r, len, d, dv)) {
 #pragma omp atomic write
       failed = 1;
-      continue;
     }
-    attend_row_sized(&a, r, len, d, dv, kept);
-    free(kept);
   }
   return failed;
 }
@@ -440,14 +446,10 @@ int decode_call_f32(const struct decode_call *c, const float *heads, const float
 #pragma omp parallel for schedule(dynamic, 1) num_threads(c->num_threads)
     for (int64_t r = 0; r < c->n; ++r) {
       const int64_t len = c->slots ? write_at(&s, r, c->slots[r]) : update_row(&s, r);
-      float *kept = c->scores_mode == 1 ? malloc(sizeof(float) * c->groups * len) : NULL;
-      if (c->scores_mode == 1 && !kept) {
+      if (attend_row_scored(&a, r, len, d, c->dv)) {
 #pragma omp atomic write
         failed = -1;
-        continue;
       }
-      attend_row_sized(&a, r, len, d, c->dv, kept);
-      free(kept);
     }
   }
   free(decided);
