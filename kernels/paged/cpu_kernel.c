@@ -7,9 +7,9 @@
  * vectorises: the logits (every product of a query head and a key summed into LANES partial sums, then the
  * partial sums of the block's keys added across together), the block's max and the rescale of the running sums
  * and of out[r] when it grows, exp by a polynomial (exp_nonpos), and the weighted values accumulated in
- * registers. Rows are independent: OpenMP threads take them in turn. The usual head sizes (32, 64, 128) run a
- * copy compiled with the sizes as constants (loops unrolled: about 20% faster at 32); others the same code
- * with the sizes as variables. No FMA is used (-ffp-contract=off serves the DMC update; explicit FMA in the
+ * registers. Rows are independent: OpenMP threads take them in turn. The usual head sizes (32, 64, 128) and
+ * query heads per row (1, 2, 4, 8) run copies compiled with the sizes as constants (loops unrolled: about 20%
+ * faster at d = 32, the constant G another 5-15%); others the same code with the sizes as variables. No FMA is used (-ffp-contract=off serves the DMC update; explicit FMA in the
  * attention measured no faster).
  *
  * scores_mode 1 ("probs") also writes, per entry, the sum over the G heads of its softmax weight; that needs
@@ -140,8 +140,9 @@ struct attention { /* paged_decode_f32's arguments */
 };
 
 /* Row r, of len entries; kept: a buffer of groups x len for scores_mode 1. */
-INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, float *kept) {
-  const int64_t groups = a->groups, page_size = a->page_size;
+INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, int64_t groups,
+                       float *kept) {
+  const int64_t page_size = a->page_size;
   const int32_t *pages = a->block_table + (a->rows ? a->rows[r] : r) * a->table_stride;
   const float *q = a->q + (r / a->q_inner) * a->q_outer + (r % a->q_inner) * groups * d, scale = a->scale;
   float *out = a->out + r * groups * dv, *scores = a->scores ? a->scores + r * a->scores_width : NULL;
@@ -181,16 +182,25 @@ INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_
   if (scores_mode) memset(scores + len, 0, sizeof(float) * (a->scores_width - len));
 }
 
-/* attend_row with the usual head sizes as constants (their loops unrolled), others as variables. */
+/* attend_row with the usual head sizes and query heads per KV head (1, 2, 4, 8) as constants (their loops
+ * unrolled), others as variables. */
+#define ATTEND_ROW_GROUPS(D, DV)                                      \
+  switch (a->groups) {                                                \
+  case 1: attend_row(a, r, len, D, DV, 1, kept); break;               \
+  case 2: attend_row(a, r, len, D, DV, 2, kept); break;               \
+  case 4: attend_row(a, r, len, D, DV, 4, kept); break;               \
+  case 8: attend_row(a, r, len, D, DV, 8, kept); break;               \
+  default: attend_row(a, r, len, D, DV, a->groups, kept);             \
+  }
 static void attend_row_sized(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, float *kept) {
   if (d == 32 && dv == 32)
-    attend_row(a, r, len, 32, 32, kept);
+    ATTEND_ROW_GROUPS(32, 32)
   else if (d == 64 && dv == 64)
-    attend_row(a, r, len, 64, 64, kept);
+    ATTEND_ROW_GROUPS(64, 64)
   else if (d == 128 && dv == 128)
-    attend_row(a, r, len, 128, 128, kept);
+    ATTEND_ROW_GROUPS(128, 128)
   else
-    attend_row(a, r, len, d, dv, kept);
+    attend_row(a, r, len, d, dv, a->groups, kept);
 }
 
 /* attend_row_sized with the logits buffer scores_mode 1 needs (groups x len); returns 1, the row not attended, when

@@ -29,11 +29,12 @@ def test_the_kernel_builds_and_runs_for_fp32_on_cpu():
     torch.testing.assert_close(out, reference_paged_attention(q, kp, vp, bt, lens), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])
-def test_the_head_sizes_compiled_as_constants_match_the_reference(d):
-    """d = dv = 32, 64, 128 run copies of the kernel compiled for those sizes: out, scores and lse within 1e-5 of
-    the reference, for rows of every length (whole and partial blocks of 16 entries)."""
-    q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=4, d=d, dv=d, seed=d)
+@pytest.mark.parametrize("d, G", [(32, 4), (64, 4), (128, 4), (32, 1), (32, 2), (64, 8), (32, 3), (40, 4)])
+def test_the_sizes_compiled_as_constants_match_the_reference(d, G):
+    """d = dv = 32, 64, 128 with G = 1, 2, 4, 8 query heads per row run copies of the kernel compiled for those
+    sizes (others, G = 3 or d = 40, the copy with variable sizes): out, scores and lse within 1e-5 of the
+    reference, for rows of every length (whole and partial blocks of 16 entries)."""
+    q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=G, d=d, dv=d, seed=d + G)
     for scores in (None, "probs", "logits"):
         got = cpu.paged_attention_cpu(q, kp, vp, bt, lens, d ** -0.5, scores, return_lse=True)
         ref = reference_paged_attention(q, kp, vp, bt, lens, scores=scores, return_lse=True)
