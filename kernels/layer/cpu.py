@@ -1,9 +1,11 @@
 """A Llama layer's dense ops compiled for the CPU: ``cpu_kernel.c`` (built on first use, :mod:`kernels.compiled`).
 
-The matrix products call the BLAS routine PyTorch's CPU build carries (``sgemm_`` of ``libtorch_cpu``, MKL on
-x86): the same routine ``torch.mm`` runs, with its threads. When that symbol is not there (a build of PyTorch
-without it) or no C compiler is present, :func:`library` is None and the tensor ops run
-(:mod:`kernels.layer.reference`). All tensors fp32 and contiguous; the outputs are new tensors.
+The matrix products of 2 to 32 rows (a decode step's tokens) run the kernel's own loops (a few rows' sums in
+vector registers while the weights stream past: 1.5-3x MKL's sgemm for such shapes on this project's CPUs); the
+others call the BLAS routine PyTorch's CPU build carries (``sgemm_`` of ``libtorch_cpu``, MKL on x86): the same
+routine ``torch.mm`` runs. Both, and the row loops of a prefill, on PyTorch's number of threads. When that symbol
+is not there (a build of PyTorch without it) or no C compiler is present, :func:`library` is None and the tensor
+ops run (:mod:`kernels.layer.reference`). All tensors fp32 and contiguous; the outputs are new tensors.
 """
 
 from __future__ import annotations
@@ -44,11 +46,22 @@ def library() -> Optional[ctypes.CDLL]:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.set_sgemm.argtypes = [ptr]
     lib.set_sgemm(sgemm)
+    lib.set_threads.argtypes = [ctypes.c_int]
+    lib.threads = 0  # what set_threads was last given (see _threaded)
     lib.rms_norm_matmul_f32.argtypes = [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.layer_output_f32.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64]
     lib.layer_attend_output_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr]
     lib.layer_decode_f32.argtypes = [ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64,
                                      ptr, ptr, ptr, ptr, i64, ptr]
+    return lib
+
+
+def _threaded() -> ctypes.CDLL:
+    """:func:`library`, its own products and loops on as many threads as PyTorch's (``torch.set_num_threads``)."""
+    lib, n = library(), torch.get_num_threads()
+    if lib.threads != n:
+        lib.set_threads(n)
+        lib.threads = n
     return lib
 
 
@@ -78,7 +91,7 @@ def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0
         cos = sin = channel_values = None
     else:
         (cos, sin), channel_values = rope, None if channel is None else torch.empty(t, rope_heads)
-    if library().rms_norm_matmul_f32(
+    if _threaded().rms_norm_matmul_f32(
             x.data_ptr(), weight.data_ptr(), eps, w.data_ptr(), y.data_ptr(), t, h, n,
             None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
             0 if sin is None else sin.shape[1], rope_heads, head_dim, channel or 0,
@@ -97,7 +110,7 @@ def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w) -> tor
            and gate_up_w.shape == (h, 2 * f) and down_w.shape == (f, h),
            {"x": x, "attn": attn, "o_w": o_w, "weight": weight, "gate_up_w": gate_up_w, "down_w": down_w})
     y = torch.empty(t, h)
-    if library().layer_output_f32(x.data_ptr(), attn.data_ptr(), o_w.data_ptr(), weight.data_ptr(), eps,
+    if _threaded().layer_output_f32(x.data_ptr(), attn.data_ptr(), o_w.data_ptr(), weight.data_ptr(), eps,
                                   gate_up_w.data_ptr(), down_w.data_ptr(), y.data_ptr(), t, h, a, f):
         raise _out_of_memory("layer_output", t)
     return y
@@ -115,7 +128,7 @@ def layer_decode_cpu(x, norm_in, eps: float, qkv_w, rope, rope_heads: int, head_
     _check("layer_decode", ok, {"x": x, "qkv_w": qkv_w, "cos": cos, "sin": sin, "o_w": o_w, "gate_up_w": gate_up_w,
                                 "down_w": down_w})
     y = torch.empty(t, h)
-    code = library().layer_decode_f32(
+    code = _threaded().layer_decode_f32(
         x.data_ptr(), norm_in.data_ptr(), eps, qkv_w.data_ptr(), t, h, n, cos.data_ptr(), sin.data_ptr(),
         sin.shape[1], rope_heads, head_dim, -1 if channel is None else channel, attention.function, attention.context,
         attention.width, o_w.data_ptr(),
@@ -132,7 +145,7 @@ def layer_attend_output_cpu(x, heads, attention, o_w, weight, eps: float, gate_u
            and gate_up_w.shape == (h, 2 * f) and down_w.shape == (f, h),
            {"x": x, "heads": heads, "o_w": o_w, "gate_up_w": gate_up_w, "down_w": down_w})
     y = torch.empty(t, h)
-    code = library().layer_attend_output_f32(x.data_ptr(), heads.data_ptr(), attention.function, attention.context,
+    code = _threaded().layer_attend_output_f32(x.data_ptr(), heads.data_ptr(), attention.function, attention.context,
                                              attention.width, o_w.data_ptr(), weight.data_ptr(), eps,
                                              gate_up_w.data_ptr(), down_w.data_ptr(), t, h, f, y.data_ptr())
     _raise_for("layer_attend_output", code, t, attention)

@@ -17,14 +17,18 @@
 
 #include "../cpu_math.h" /* exp_nonpos */
 
+#define INLINE static inline __attribute__((always_inline))
+
 #define PARALLEL_ROWS 64
 
 typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
                          const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
                          const float *beta, float *c, const int *ldc);
 static sgemm_fn sgemm;
+static int threads = 1; /* the products' and (from PARALLEL_ROWS rows) the loops' threads: PyTorch's (cpu.py) */
 
 void set_sgemm(void *f) { sgemm = (sgemm_fn)f; }
+void set_threads(int n) { threads = n; }
 
 /* n floats aligned to 64 bytes, as PyTorch allocates: MKL's results may depend on its operands' alignment, and
  * a product must not change with where malloc put its input. */
@@ -33,8 +37,93 @@ static float *scratch(int64_t n) {
   return aligned_alloc(64, bytes ? bytes : 64);
 }
 
-/* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous. In BLAS's column-major terms that is
- * y^T = w^T x^T, with no transposes: the call torch.mm makes for these layouts. */
+/* The products of a few rows (a decode step's tokens: 2 to SKINNY_ROWS) in this file's own loops. MKL's sgemm
+ * reads the weights at a fraction of the memory bandwidth for so few rows (on this project's AMD EPYC machines 2-3x
+ * slower than these loops, docs/BENCHMARKS.md); one row is a matrix-vector product, which it does well.
+ * Columns are taken two vectors at a time, the threads splitting them; for up to TILE_ROWS rows at a time every
+ * row's sums of those columns stay in registers while the weights' rows stream past.
+ * The sums run over k in chunks of KC (each chunk's partial sums added to the output: rounding grows with KC, not
+ * with k), with fused multiply-adds (contracted here alone: the rest of the file keeps PyTorch's rounding). A row's
+ * result does not depend on the other rows of the call. */
+#define SKINNY_ROWS 32
+#define KC 256
+#if defined(__AVX512F__)
+#define VEC 16 /* floats per vector register */
+#define TILE_ROWS 8 /* rows whose sums stay in registers: 2 x TILE_ROWS accumulators + 2 of w fit in 32 registers */
+#else
+#define VEC 8
+#define TILE_ROWS 6 /* 16 registers */
+#endif
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+typedef float vec __attribute__((vector_size(4 * VEC), aligned(4))); /* loads and stores unaligned */
+
+/* Rows x [R, k] times columns j..j+V*VEC of w [k, n] (V vectors), over k in [k0, k1), into y [R, n] (add: onto it). */
+INLINE void product_tile(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t j, int64_t k0,
+                         int64_t k1, int add, const int R, const int V) {
+  vec acc[TILE_ROWS][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = (vec){0};
+  for (int64_t i = k0; i < k1; ++i) {
+    vec wi[2];
+    for (int c = 0; c < V; ++c) wi[c] = *(const vec *)(w + i * n + j + VEC * c);
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * k + i];
+      for (int c = 0; c < V; ++c) acc[r][c] += a * wi[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) {
+      vec *out = (vec *)(y + r * n + j + VEC * c);
+      *out = add ? *out + acc[r][c] : acc[r][c];
+    }
+}
+
+/* Columns j..j+V*VEC (V 1 or 2) of R <= TILE_ROWS rows, k in chunks of KC; R and V constants in each copy. */
+static void product_columns(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t j, int R, int V) {
+  for (int64_t k0 = 0; k0 < k; k0 += KC) {
+    const int64_t k1 = k0 + KC < k ? k0 + KC : k;
+#define TILE(R_)                                                                                                      \
+  if (R == R_ || R_ == TILE_ROWS) {                                                                                   \
+    if (V == 2)                                                                                                       \
+      product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 2);                                                          \
+    else                                                                                                              \
+      product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 1);                                                          \
+    continue;                                                                                                         \
+  }
+    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5)
+#if TILE_ROWS > 6
+    TILE(6) TILE(7)
+#endif
+    TILE(TILE_ROWS)
+#undef TILE
+  }
+}
+
+/* y [t, n] = x [t, k] @ w [k, n]: the threads split the blocks of 2 VEC columns; per block, TILE_ROWS rows at a time
+ * (so each row of w is read once per TILE_ROWS rows), the columns past a multiple of VEC one by one. */
+static void skinny_matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
+  const int64_t blocks = (n + 2 * VEC - 1) / (2 * VEC);
+#pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t r0 = 0; r0 < t; r0 += TILE_ROWS) {
+      const int R = t - r0 < TILE_ROWS ? (int)(t - r0) : TILE_ROWS;
+      const float *xr = x + r0 * k;
+      float *yr = y + r0 * n;
+      const int64_t j = b * 2 * VEC, width = n - j < 2 * VEC ? n - j : 2 * VEC, vectors = width / VEC;
+      if (vectors) product_columns(xr, w, yr, k, n, j, R, (int)vectors);
+      for (int64_t c = j + vectors * VEC; c < j + width; ++c)
+        for (int r = 0; r < R; ++r) {
+          float sum = 0.f;
+          for (int64_t i = 0; i < k; ++i) sum += xr[r * k + i] * w[i * n + c];
+          yr[r * n + c] = sum;
+        }
+    }
+}
+#pragma GCC pop_options
+
+/* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous: skinny_matmul for 2 to SKINNY_ROWS rows, else sgemm. In
+ * BLAS's column-major terms y^T = w^T x^T, with no transposes: the call torch.mm makes for these layouts. */
 static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
   const int rows = (int)t, inner = (int)k, cols = (int)n;
   const float one = 1.f, zero = 0.f;
@@ -43,12 +132,16 @@ static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t 
     memset(y, 0, sizeof(float) * t * n);
     return;
   }
+  if (t >= 2 && t <= SKINNY_ROWS) {
+    skinny_matmul(x, w, y, t, k, n);
+    return;
+  }
   sgemm("N", "N", &cols, &rows, &inner, &one, w, &cols, x, &inner, &zero, y, &cols);
 }
 
 /* y = x * rsqrt(mean(x^2) + eps) * w, row by row (x [t, h]). */
 static void rms_norm(const float *x, const float *w, float eps, float *y, int64_t t, int64_t h) {
-#pragma omp parallel for if (t >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) if (t >= PARALLEL_ROWS)
   for (int64_t r = 0; r < t; ++r) {
     const float *xr = x + r * h;
     float *yr = y + r * h;
@@ -67,7 +160,7 @@ static void rms_norm(const float *x, const float *w, float eps, float *y, int64_
 static void rope(float *y, int64_t t, int64_t width, int64_t heads, int64_t d, const float *cos, const float *sin,
                  int64_t sin_heads, int64_t channel, float *channel_out) {
   const int64_t half = d / 2;
-#pragma omp parallel for if (t >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) if (t >= PARALLEL_ROWS)
   for (int64_t r = 0; r < t; ++r)
     for (int64_t h = 0; h < heads; ++h) {
       float x[d];
@@ -97,7 +190,7 @@ int rms_norm_matmul_f32(const float *x, const float *norm_w, float eps, const fl
 /* silu(gate) * up for each row of gate_up [t, 2 f] (gate then up) into act [t, f]. silu(g) = g / (1 + exp(-g)),
  * with exp of -|g| only (no overflow): g >= 0: g / (1 + e); g < 0: g e / (1 + e), e = exp(-|g|). */
 static void swiglu(const float *gate_up, float *act, int64_t t, int64_t f) {
-#pragma omp parallel for if (t >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) if (t >= PARALLEL_ROWS)
   for (int64_t r = 0; r < t; ++r) {
     const float *g = gate_up + r * 2 * f, *u = g + f;
     float *a = act + r * f;
@@ -111,7 +204,7 @@ static void swiglu(const float *gate_up, float *act, int64_t t, int64_t f) {
 
 /* y = a + b over [t, h]. */
 static void add(const float *a, const float *b, float *y, int64_t t, int64_t h) {
-#pragma omp parallel for if (t >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) if (t >= PARALLEL_ROWS)
   for (int64_t r = 0; r < t; ++r)
 #pragma omp simd
     for (int64_t c = r * h; c < (r + 1) * h; ++c) y[c] = a[c] + b[c];
