@@ -129,16 +129,19 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
 def matmul_seconds(model, batch: int, repeats: int = 20) -> float:
     """Seconds of a decode step's matmuls alone at ``batch`` rows (every layer's four projections and the LM
-    head, on random inputs, median of ``repeats``): the part of a step that grows with the batch whatever the
+    head, on random inputs, median of ``repeats``), by the engine's own products (``kernels.layer.rms_norm_matmul``,
+    whose RMSNorm of the rows costs next to nothing): the part of a step that grows with the batch whatever the
     cache holds, the compute floor of the batch ratio on this machine."""
+    from kernels.layer import rms_norm_matmul
+
     weights = [w for layer in model.layers for w in (layer.qkv_t, layer.o_t, layer.gate_up_t, layer.down_t)]
     weights.append(model.lm_head_t)
-    inputs = [torch.randn(batch, w.shape[0], dtype=w.dtype) for w in weights]
+    inputs = [(torch.randn(batch, w.shape[0], dtype=w.dtype), torch.ones(w.shape[0], dtype=w.dtype)) for w in weights]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for x, w in zip(inputs, weights):
-            torch.mm(x, w)
+        for (x, norm), w in zip(inputs, weights):
+            rms_norm_matmul(x, norm, 1e-5, w)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
