@@ -144,7 +144,7 @@ def decode_ops_report(repeats: int) -> None:
         qkv = torch.randn(hidden, (h + 2 * kv) * d, generator=g) * 0.02
         o, norm = torch.randn(h * d, hidden, generator=g) * 0.02, 1 + 0.1 * torch.randn(hidden, generator=g)
         gate_up, down = torch.randn(hidden, 2 * ffn, generator=g) * 0.02, torch.randn(ffn, hidden, generator=g) * 0.02
-        for rows in (1, 4, 16):
+        for rows in (1, 4, 16, 32):
             x, attn = torch.randn(rows, hidden, generator=g), torch.randn(rows, h * d, generator=g)
             angles = torch.rand(rows, d, generator=g)
             rope = (angles.cos(), angles.sin()[:, None])
