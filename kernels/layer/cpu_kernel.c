@@ -41,12 +41,14 @@ static float *scratch(int64_t n) {
  * reads the weights at a fraction of the memory bandwidth for so few rows (on this project's AMD EPYC machines 2-3x
  * slower than these loops, docs/BENCHMARKS.md); one row is a matrix-vector product, which it does well.
  * Columns are taken two vectors at a time, the threads splitting them; for up to TILE_ROWS rows at a time every
- * row's sums of those columns stay in registers while the weights' rows stream past.
+ * row's sums of those columns stay in registers while the weights' rows stream past, each PREFETCH rows ahead
+ * asked for (the rows are n floats apart, often a page or more: the hardware's prefetchers do not follow them).
  * The sums run over k in chunks of KC (each chunk's partial sums added to the output: rounding grows with KC, not
  * with k), with fused multiply-adds (contracted here alone: the rest of the file keeps PyTorch's rounding). A row's
  * result does not depend on the other rows of the call. */
 #define SKINNY_ROWS 32
 #define KC 256
+#define PREFETCH 16
 #if defined(__AVX512F__)
 #define VEC 16 /* floats per vector register */
 #define TILE_ROWS 8 /* rows whose sums stay in registers: 2 x TILE_ROWS accumulators + 2 of w fit in 32 registers */
@@ -66,6 +68,7 @@ INLINE void product_tile(const float *x, const float *w, float *y, int64_t k, in
     for (int c = 0; c < V; ++c) acc[r][c] = (vec){0};
   for (int64_t i = k0; i < k1; ++i) {
     vec wi[2];
+    for (int c = 0; c < V; ++c) __builtin_prefetch(w + (i + PREFETCH) * n + j + VEC * c);
     for (int c = 0; c < V; ++c) wi[c] = *(const vec *)(w + i * n + j + VEC * c);
     for (int r = 0; r < R; ++r) {
       const float a = x[r * k + i];
