@@ -86,19 +86,20 @@ INLINE void product_tile(const float *x, const float *w, float *y, int64_t k, in
 static void product_columns(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t j, int R, int V) {
   for (int64_t k0 = 0; k0 < k; k0 += KC) {
     const int64_t k1 = k0 + KC < k ? k0 + KC : k;
-#define TILE(R_)                                                                                                      \
-  if (R == R_ || R_ == TILE_ROWS) {                                                                                   \
-    if (V == 2)                                                                                                       \
-      product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 2);                                                          \
-    else                                                                                                              \
-      product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 1);                                                          \
-    continue;                                                                                                         \
-  }
-    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5)
-#if TILE_ROWS > 6
-    TILE(6) TILE(7)
+#define TILE(R_) (V == 2 ? product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 2) \
+                         : product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 1))
+    switch (R) {
+    case 1: TILE(1); break;
+    case 2: TILE(2); break;
+    case 3: TILE(3); break;
+    case 4: TILE(4); break;
+    case 5: TILE(5); break;
+#if TILE_ROWS == 8
+    case 6: TILE(6); break;
+    case 7: TILE(7); break;
 #endif
-    TILE(TILE_ROWS)
+    default: TILE(TILE_ROWS);
+    }
 #undef TILE
   }
 }
