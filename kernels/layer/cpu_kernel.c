@@ -37,10 +37,12 @@ static float *scratch(int64_t n) {
   return aligned_alloc(64, bytes ? bytes : 64);
 }
 
-/* The products of a few rows (a decode step's tokens: 2 to SKINNY_ROWS) in this file's own loops. MKL's sgemm
+/* The products of a few rows (a decode step's tokens: up to SKINNY_ROWS) in this file's own loops. MKL's sgemm
  * reads the weights at a fraction of the memory bandwidth for so few rows (on this project's AMD EPYC machines 2-3x
- * slower than these loops, docs/BENCHMARKS.md); one row is a matrix-vector product, which it does well.
- * Columns are taken two vectors at a time, the threads splitting them; for up to TILE_ROWS rows at a time every
+ * slower than these loops while the weights sit in the caches, docs/BENCHMARKS.md). One row runs them too (MKL's
+ * matrix-vector product streams weights from memory faster, 1.3x on two threads for a 7B layer's), so that a row's
+ * result is the same in any batch of up to SKINNY_ROWS rows.
+ * Columns are taken four vectors at a time, the threads splitting them; for up to TILE_ROWS rows at a time every
  * row's sums of those columns stay in registers while the weights' rows stream past, each PREFETCH rows ahead
  * asked for (the rows are n floats apart, often a page or more: the hardware's prefetchers do not follow them).
  * The sums run over k in chunks of KC (each chunk's partial sums added to the output: rounding grows with KC, not
@@ -51,7 +53,7 @@ static float *scratch(int64_t n) {
 #define PREFETCH 16
 #if defined(__AVX512F__)
 #define VEC 16 /* floats per vector register */
-#define TILE_ROWS 8 /* rows whose sums stay in registers: 2 x TILE_ROWS accumulators + 2 of w fit in 32 registers */
+#define TILE_ROWS 8 /* rows whose sums stay in registers: TILE_ROWS x 2 accumulators + 2 of w in 32 registers */
 #else
 #define VEC 8
 #define TILE_ROWS 6 /* 16 registers */
@@ -63,11 +65,11 @@ typedef float vec __attribute__((vector_size(4 * VEC), aligned(4))); /* loads an
 /* Rows x [R, k] times columns j..j+V*VEC of w [k, n] (V vectors), over k in [k0, k1), into y [R, n] (add: onto it). */
 INLINE void product_tile(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t j, int64_t k0,
                          int64_t k1, int add, const int R, const int V) {
-  vec acc[TILE_ROWS][2];
+  vec acc[TILE_ROWS][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < V; ++c) acc[r][c] = (vec){0};
   for (int64_t i = k0; i < k1; ++i) {
-    vec wi[2];
+    vec wi[4];
     for (int c = 0; c < V; ++c) __builtin_prefetch(w + (i + PREFETCH) * n + j + VEC * c);
     for (int c = 0; c < V; ++c) wi[c] = *(const vec *)(w + i * n + j + VEC * c);
     for (int r = 0; r < R; ++r) {
@@ -82,40 +84,47 @@ INLINE void product_tile(const float *x, const float *w, float *y, int64_t k, in
     }
 }
 
-/* Columns j..j+V*VEC (V 1 or 2) of R <= TILE_ROWS rows, k in chunks of KC; R and V constants in each copy. */
+/* Columns j..j+V*VEC of R <= TILE_ROWS rows, k in chunks of KC: V up to 4 for one or two rows (more sums in flight,
+ * longer reads of each weight row), up to 2 for more (their sums fill the registers); R and V constants in each
+ * copy. Each column's sum is the same whatever the tile. */
 static void product_columns(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t j, int R, int V) {
   for (int64_t k0 = 0; k0 < k; k0 += KC) {
     const int64_t k1 = k0 + KC < k ? k0 + KC : k;
-#define TILE(R_) (V == 2 ? product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 2) \
-                         : product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, 1))
+#define TILE(R_, V_) product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, V_)
+#define NARROW(R_) (V == 2 ? TILE(R_, 2) : TILE(R_, 1))
+#define WIDE(R_) (V == 4 ? TILE(R_, 4) : V == 3 ? TILE(R_, 3) : NARROW(R_))
     switch (R) {
-    case 1: TILE(1); break;
-    case 2: TILE(2); break;
-    case 3: TILE(3); break;
-    case 4: TILE(4); break;
-    case 5: TILE(5); break;
+    case 1: WIDE(1); break;
+    case 2: WIDE(2); break;
+    case 3: NARROW(3); break;
+    case 4: NARROW(4); break;
+    case 5: NARROW(5); break;
 #if TILE_ROWS == 8
-    case 6: TILE(6); break;
-    case 7: TILE(7); break;
+    case 6: NARROW(6); break;
+    case 7: NARROW(7); break;
 #endif
-    default: TILE(TILE_ROWS);
+    default: NARROW(TILE_ROWS);
     }
+#undef WIDE
+#undef NARROW
 #undef TILE
   }
 }
 
-/* y [t, n] = x [t, k] @ w [k, n]: the threads split the blocks of 2 VEC columns; per block, TILE_ROWS rows at a time
+/* y [t, n] = x [t, k] @ w [k, n]: the threads split the blocks of 4 VEC columns; per block, TILE_ROWS rows at a time
  * (so each row of w is read once per TILE_ROWS rows), the columns past a multiple of VEC one by one. */
 static void skinny_matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
-  const int64_t blocks = (n + 2 * VEC - 1) / (2 * VEC);
+  const int64_t blocks = (n + 4 * VEC - 1) / (4 * VEC);
 #pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 1)
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t r0 = 0; r0 < t; r0 += TILE_ROWS) {
       const int R = t - r0 < TILE_ROWS ? (int)(t - r0) : TILE_ROWS;
       const float *xr = x + r0 * k;
       float *yr = y + r0 * n;
-      const int64_t j = b * 2 * VEC, width = n - j < 2 * VEC ? n - j : 2 * VEC, vectors = width / VEC;
-      if (vectors) product_columns(xr, w, yr, k, n, j, R, (int)vectors);
+      const int64_t j = b * 4 * VEC, width = n - j < 4 * VEC ? n - j : 4 * VEC, vectors = width / VEC;
+      const int64_t step = R <= 2 ? 4 : 2;
+      for (int64_t v = 0; v < vectors; v += step)
+        product_columns(xr, w, yr, k, n, j + v * VEC, R, (int)(vectors - v < step ? vectors - v : step));
       for (int64_t c = j + vectors * VEC; c < j + width; ++c)
         for (int r = 0; r < R; ++r) {
           float sum = 0.f;
@@ -126,7 +135,7 @@ static void skinny_matmul(const float *x, const float *w, float *y, int64_t t, i
 }
 #pragma GCC pop_options
 
-/* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous: skinny_matmul for 2 to SKINNY_ROWS rows, else sgemm. In
+/* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous: skinny_matmul up to SKINNY_ROWS rows, else sgemm. In
  * BLAS's column-major terms y^T = w^T x^T, with no transposes: the call torch.mm makes for these layouts. */
 static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
   const int rows = (int)t, inner = (int)k, cols = (int)n;
@@ -136,7 +145,7 @@ static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t 
     memset(y, 0, sizeof(float) * t * n);
     return;
   }
-  if (t >= 2 && t <= SKINNY_ROWS) {
+  if (t <= SKINNY_ROWS) {
     skinny_matmul(x, w, y, t, k, n);
     return;
   }

@@ -40,7 +40,9 @@ def test_teacher_forced_and_incremental_perplexity_agree(variant, cache, options
     inc = r["incremental"]
     assert abs(inc["ppl_engine"] / inc["ppl_parallel"] - 1) < 0.01  # the bound; in fact ~1e-5
     assert inc["max_logit_diff"] < 1e-3
-    assert r["ppl"] == pytest.approx(inc["ppl_parallel"], rel=1e-6)  # the whole set is the subset here
+    # the whole set is the subset here, run in other batches: equal up to the order in which the BLAS sums a
+    # product, which may follow the number of rows (MKL's does on AMD CPUs: 1.2e-6 apart for LSH-E there)
+    assert r["ppl"] == pytest.approx(inc["ppl_parallel"], rel=1e-5)
     assert 0 <= r["accuracy"] <= 1 and r["tokens"] == 3 * N
     vanilla = vanilla_bytes_per_token(model)
     assert vanilla == 2 * SHAPE.num_layers * SHAPE.num_heads * SHAPE.head_dim * 4
