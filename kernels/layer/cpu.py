@@ -1,11 +1,12 @@
 """A Llama layer's dense ops compiled for the CPU: ``cpu_kernel.c`` (built on first use, :mod:`kernels.compiled`).
 
 The matrix products of up to 32 rows (a decode step's tokens) run the kernel's own loops (a few rows' sums in
-vector registers while the weights stream past: 1.5-3x MKL's sgemm for such shapes on this project's CPUs; a row's
-result the same in any such batch); the others call the BLAS routine PyTorch's CPU build carries (``sgemm_`` of ``libtorch_cpu``, MKL on x86): the same
-routine ``torch.mm`` runs. Both, and the row loops of a prefill, on PyTorch's number of threads. When that symbol
-is not there (a build of PyTorch without it) or no C compiler is present, :func:`library` is None and the tensor
-ops run (:mod:`kernels.layer.reference`). All tensors fp32 and contiguous; the outputs are new tensors.
+vector registers while the weights stream past: 1.5-3x MKL's sgemm for such shapes on this project's CPUs; a
+row's result the same in any such batch); the others call the BLAS routine PyTorch's CPU build carries
+(``sgemm_`` of ``libtorch_cpu``, MKL on x86): the same routine ``torch.mm`` runs. Both, and the row loops of a
+prefill, on PyTorch's number of threads. When that symbol is not there (a build of PyTorch without it) or no C
+compiler is present, :func:`library` is None and the tensor ops run (:mod:`kernels.layer.reference`). All
+tensors fp32 and contiguous; the outputs are new tensors.
 """
 
 from __future__ import annotations
