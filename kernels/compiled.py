@@ -59,9 +59,10 @@ def _build(compiler: str, source: Path, target: Path) -> Optional[str]:
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # what the sources include ("../cpu_math.h")
 
 
-def load(source: Path, what: str) -> Optional[ctypes.CDLL]:
-    """The library compiled from ``source`` (built on first use), or None with one warning naming ``what`` (e.g.
-    "the CPU paged-attention kernel") when it cannot be built here."""
+def load(source: Path, what: str, argtypes: Optional[dict[str, list]] = None) -> Optional[ctypes.CDLL]:
+    """The library compiled from ``source`` (built on first use), its functions' ``argtypes`` (name -> ctypes
+    types; each returns an int, ctypes' default) set, or None with one warning naming ``what`` (e.g. "the CPU
+    paged-attention kernel") when it cannot be built here."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn(f"no C compiler (cc) found: {what} runs its PyTorch path, slower; install gcc or set CC to "
@@ -78,4 +79,7 @@ def load(source: Path, what: str) -> Optional[ctypes.CDLL]:
         warnings.warn(f"building {what} failed ({error}): its PyTorch path runs instead; check the C compiler "
                       f"({compiler}) and that {cache_dir()} is writable (DMC_KERNELS_CACHE)", stacklevel=3)
         return None
-    return ctypes.CDLL(str(path))
+    lib = ctypes.CDLL(str(path))
+    for name, types in (argtypes or {}).items():
+        getattr(lib, name).argtypes = types
+    return lib

@@ -17,12 +17,11 @@ SOURCE = Path(__file__).with_name("cpu_kernel.c")
 @functools.cache
 def library() -> Optional[ctypes.CDLL]:
     """The compiled op, or None (with one warning) when it cannot be built here."""
-    lib = compiled.load(SOURCE, "the CPU kernel of the eviction policies' victim choice")
-    if lib is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.victims_f32.argtypes = lib.victims_f32_i32.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
-        lib.hamming_sums_u8.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr]
-    return lib
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    victims = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
+    return compiled.load(SOURCE, "the CPU kernel of the eviction policies' victim choice",
+                         {"victims_f32": victims, "victims_f32_i32": victims,
+                          "hamming_sums_u8": [ptr, ptr, i64, i64, i64, i64, i64, ptr]})
 
 
 def hamming_sums_cpu(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -41,19 +41,18 @@ def library() -> Optional[ctypes.CDLL]:
         warnings.warn("PyTorch's CPU library exports no sgemm_: a Llama layer's dense ops run as tensor ops "
                       "(slower at decode)", stacklevel=2)
         return None
-    lib = compiled.load(SOURCE, "the CPU kernel of a Llama layer's dense ops")
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib = compiled.load(SOURCE, "the CPU kernel of a Llama layer's dense ops", {
+        "set_sgemm": [ptr], "set_threads": [ctypes.c_int],
+        "rms_norm_matmul_f32": [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr],
+        "layer_output_f32": [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64],
+        "layer_attend_output_f32": [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr],
+        "layer_decode_f32": [ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
+                             ptr, ptr, i64, ptr]})
     if lib is None:
         return None
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.set_sgemm.argtypes = [ptr]
     lib.set_sgemm(sgemm)
-    lib.set_threads.argtypes = [ctypes.c_int]
     lib.threads = 0  # what set_threads was last given (see _threaded)
-    lib.rms_norm_matmul_f32.argtypes = [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr]
-    lib.layer_output_f32.argtypes = [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64]
-    lib.layer_attend_output_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr]
-    lib.layer_decode_f32.argtypes = [ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64,
-                                     ptr, ptr, ptr, ptr, i64, ptr]
     return lib
 
 

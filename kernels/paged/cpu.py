@@ -39,21 +39,15 @@ SCORE_MODES = {None: 0, "probs": 1, "logits": 2}
 def library() -> Optional[ctypes.CDLL]:
     """The compiled kernel (built on first use, :func:`kernels.compiled.load`), or None (with one warning) when
     it cannot be built here."""
-    lib = compiled.load(SOURCE, "the CPU paged-attention kernel")
-    if lib is None:
-        return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i32, i64, i64, i64, i64, i64, ctypes.c_float,
-                                     ptr, ptr, ptr, i64, i32, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr]
-    lib.paged_decode_f32.restype = ctypes.c_int
     dmc_step = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr,
                 i64, i64, i64, i64, i64, ptr, ptr]  # DMC_STEP_ARGS
-    lib.dmc_update_f32.argtypes = dmc_step + [ptr]
-    lib.decode_step_f32.argtypes = dmc_step + [ptr, i64, ctypes.c_float, ptr, i32]
-    lib.dmc_update_f32.restype = lib.decode_step_f32.restype = ctypes.c_int
-    lib.decode_call_f32.argtypes = [ptr, ptr, ptr, ptr]
-    lib.decode_call_f32.restype = ctypes.c_int
-    return lib
+    return compiled.load(SOURCE, "the CPU paged-attention kernel", {
+        "paged_decode_f32": [ptr, ptr, ptr, ptr, i64, ptr, i32, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr,
+                             i64, i32, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr],
+        "dmc_update_f32": dmc_step + [ptr],
+        "decode_step_f32": dmc_step + [ptr, i64, ctypes.c_float, ptr, i32],
+        "decode_call_f32": [ptr, ptr, ptr, ptr]})
 
 
 def cpu_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:

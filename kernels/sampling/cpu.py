@@ -17,11 +17,8 @@ SOURCE = Path(__file__).with_name("cpu_kernel.c")
 @functools.cache
 def library() -> Optional[ctypes.CDLL]:
     """The compiled op, or None (with one warning) when it cannot be built here."""
-    lib = compiled.load(SOURCE, "the CPU kernel of greedy sampling")
-    if lib is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
-    return lib
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return compiled.load(SOURCE, "the CPU kernel of greedy sampling", {"argmax_f32": [ptr, i64, i64, i64, ptr]})
 
 
 def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
