@@ -1,12 +1,14 @@
 """A Llama layer's dense ops compiled for the CPU: ``cpu_kernel.c`` (built on first use, :mod:`kernels.compiled`).
 
-The matrix products of up to 32 rows (a decode step's tokens) run the kernel's own loops (a few rows' sums in
-vector registers while the weights stream past: 1.5-3x MKL's sgemm for such shapes on this project's CPUs; a
+The matrix products of up to 32 rows (a decode step's tokens) run the kernel's own loops over a packed copy of
+the weight (:func:`packed`: column strips, each contiguous, so that they stream from memory; a few rows' sums in
+vector registers while a strip streams past: 1.5-3x MKL's sgemm for such shapes on this project's CPUs; a
 row's result the same in any such batch); the others call the BLAS routine PyTorch's CPU build carries
 (``sgemm_`` of ``libtorch_cpu``, MKL on x86): the same routine ``torch.mm`` runs. Both, and the row loops of a
 prefill, on PyTorch's number of threads. When that symbol is not there (a build of PyTorch without it) or no C
 compiler is present, :func:`library` is None and the tensor ops run (:mod:`kernels.layer.reference`). All
-tensors fp32 and contiguous; the outputs are new tensors.
+tensors fp32 and contiguous; the outputs are new tensors. A weight's packed copy is made at its first product of
+a few rows and kept while the weight lives: a model decoding on CPU holds its projections twice.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels import compiled
 
@@ -43,17 +46,43 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib = compiled.load(SOURCE, "the CPU kernel of a Llama layer's dense ops", {
-        "set_sgemm": [ptr], "set_threads": [ctypes.c_int],
-        "rms_norm_matmul_f32": [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr],
-        "layer_output_f32": [ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, i64],
-        "layer_attend_output_f32": [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr],
-        "layer_decode_f32": [ptr, ptr, f32, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
-                             ptr, ptr, i64, ptr]})
+        "set_sgemm": [ptr], "set_threads": [ctypes.c_int], "strip_width": [], "skinny_rows": [],
+        "rms_norm_matmul_f32": [ptr, ptr, f32, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr],
+        "layer_output_f32": [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64],
+        "layer_attend_output_f32": [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                    ptr],
+        "layer_decode_f32": [ptr, ptr, f32, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr,
+                             ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]})
     if lib is None:
         return None
     lib.set_sgemm(sgemm)
     lib.threads = 0  # what set_threads was last given (see _threaded)
+    lib.strip, lib.few_rows = lib.strip_width(), lib.skinny_rows()
     return lib
+
+
+_PACKED = WeakIdKeyDictionary()  # weight -> (its version when packed, the packed copy)
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    """``w [k, n]`` as the kernel's products of a few rows read it: ``[ceil(n / S), k, S]``, strip ``b`` holding
+    columns ``b S .. (b + 1) S`` (zeros past ``n``) row after row, ``S`` four of the CPU's vector registers (64
+    floats with AVX-512). Made once per weight (again after an in-place change) and kept while ``w`` lives."""
+    version, copy = _PACKED.get(w, (None, None))
+    if version != w._version:
+        (k, n), s = w.shape, library().strip
+        strips = -(-n // s)
+        copy = torch.zeros(k, strips * s)
+        copy[:, :n] = w
+        copy = copy.view(k, strips, s).transpose(0, 1).contiguous()
+        _PACKED[w] = (w._version, copy)
+    return copy
+
+
+def _weight(w: torch.Tensor, t: int) -> tuple[int, Optional[int]]:
+    """A weight's two arguments for a product of ``t`` rows: its address, and its packed copy's when ``t`` rows take
+    the kernel's own products (else None: sgemm)."""
+    return w.data_ptr(), packed(w).data_ptr() if t <= library().few_rows else None
 
 
 def _threaded() -> ctypes.CDLL:
@@ -92,7 +121,7 @@ def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0
     else:
         (cos, sin), channel_values = rope, None if channel is None else torch.empty(t, rope_heads)
     if _threaded().rms_norm_matmul_f32(
-            x.data_ptr(), weight.data_ptr(), eps, w.data_ptr(), y.data_ptr(), t, h, n,
+            x.data_ptr(), weight.data_ptr(), eps, *_weight(w, t), y.data_ptr(), t, h, n,
             None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
             0 if sin is None else sin.shape[1], rope_heads, head_dim, channel or 0,
             None if channel_values is None else channel_values.data_ptr()):
@@ -110,8 +139,8 @@ def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w) -> tor
            and gate_up_w.shape == (h, 2 * f) and down_w.shape == (f, h),
            {"x": x, "attn": attn, "o_w": o_w, "weight": weight, "gate_up_w": gate_up_w, "down_w": down_w})
     y = torch.empty(t, h)
-    if _threaded().layer_output_f32(x.data_ptr(), attn.data_ptr(), o_w.data_ptr(), weight.data_ptr(), eps,
-                                  gate_up_w.data_ptr(), down_w.data_ptr(), y.data_ptr(), t, h, a, f):
+    if _threaded().layer_output_f32(x.data_ptr(), attn.data_ptr(), *_weight(o_w, t), weight.data_ptr(), eps,
+                                  *_weight(gate_up_w, t), *_weight(down_w, t), y.data_ptr(), t, h, a, f):
         raise _out_of_memory("layer_output", t)
     return y
 
@@ -129,10 +158,10 @@ def layer_decode_cpu(x, norm_in, eps: float, qkv_w, rope, rope_heads: int, head_
                                 "down_w": down_w})
     y = torch.empty(t, h)
     code = _threaded().layer_decode_f32(
-        x.data_ptr(), norm_in.data_ptr(), eps, qkv_w.data_ptr(), t, h, n, cos.data_ptr(), sin.data_ptr(),
+        x.data_ptr(), norm_in.data_ptr(), eps, *_weight(qkv_w, t), t, h, n, cos.data_ptr(), sin.data_ptr(),
         sin.shape[1], rope_heads, head_dim, -1 if channel is None else channel, attention.function, attention.context,
-        attention.width, o_w.data_ptr(),
-        norm_mlp.data_ptr(), gate_up_w.data_ptr(), down_w.data_ptr(), f, y.data_ptr())
+        attention.width, *_weight(o_w, t), norm_mlp.data_ptr(), *_weight(gate_up_w, t), *_weight(down_w, t), f,
+        y.data_ptr())
     _raise_for("layer_decode", code, t, attention)
     return y
 
@@ -146,8 +175,8 @@ def layer_attend_output_cpu(x, heads, attention, o_w, weight, eps: float, gate_u
            {"x": x, "heads": heads, "o_w": o_w, "gate_up_w": gate_up_w, "down_w": down_w})
     y = torch.empty(t, h)
     code = _threaded().layer_attend_output_f32(x.data_ptr(), heads.data_ptr(), attention.function, attention.context,
-                                             attention.width, o_w.data_ptr(), weight.data_ptr(), eps,
-                                             gate_up_w.data_ptr(), down_w.data_ptr(), t, h, f, y.data_ptr())
+                                             attention.width, *_weight(o_w, t), weight.data_ptr(), eps,
+                                             *_weight(gate_up_w, t), *_weight(down_w, t), t, h, f, y.data_ptr())
     _raise_for("layer_attend_output", code, t, attention)
     return y
 

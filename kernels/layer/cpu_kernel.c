@@ -2,8 +2,9 @@
  * two calls (kernels/layer/cpu.py states the layouts; reference.py is the same in tensor ops).
  *
  * A decode step's layer is some twenty small tensor ops around four matrix products; each op costs a few
- * microseconds of dispatch, more than its arithmetic on a few rows. Here the products go to the BLAS that
- * PyTorch itself calls (sgemm_, whose address cpu.py hands over: the same routine torch.mm runs for these
+ * microseconds of dispatch, more than its arithmetic on a few rows. Here the products of a decode step's few rows
+ * run this file's own loops over the weights packed in column strips, those of more rows (a prefill's) the BLAS
+ * that PyTorch itself calls (sgemm_, whose address cpu.py hands over: the same routine torch.mm runs for these
  * layouts), and the rest (RMSNorm, RoPE of q and k, the residual adds, SwiGLU) are loops over the rows. RoPE is
  * PyTorch's arithmetic, bit for bit (products rounded before they are added: -ffp-contract=off); RMSNorm's sum
  * and SwiGLU's exp round differently from PyTorch's vectorised ones (within a few ulp). The loops spread their rows
@@ -37,107 +38,103 @@ static float *scratch(int64_t n) {
   return aligned_alloc(64, bytes ? bytes : 64);
 }
 
-/* The products of a few rows (a decode step's tokens: up to SKINNY_ROWS) in this file's own loops. MKL's sgemm
- * reads the weights at a fraction of the memory bandwidth for so few rows (on this project's AMD EPYC machines 2-3x
- * slower than these loops while the weights sit in the caches, docs/BENCHMARKS.md). One row runs them too (MKL's
- * matrix-vector product streams weights from memory faster, 1.3x on two threads for a 7B layer's), so that a row's
- * result is the same in any batch of up to SKINNY_ROWS rows.
- * Columns are taken four vectors at a time, the threads splitting them; for up to TILE_ROWS rows at a time every
- * row's sums of those columns stay in registers while the weights' rows stream past, each PREFETCH rows ahead
- * asked for (the rows are n floats apart, often a page or more: the hardware's prefetchers do not follow them).
- * The sums run over k in chunks of KC (each chunk's partial sums added to the output: rounding grows with KC, not
- * with k), with fused multiply-adds (contracted here alone: the rest of the file keeps PyTorch's rounding). A row's
+/* The products of a few rows (a decode step's tokens: up to SKINNY_ROWS) in this file's own loops, over the weight
+ * packed in column strips (below). MKL's sgemm reads the weights at a fraction of the memory bandwidth for so few
+ * rows (on this project's AMD EPYC machines 2-3x slower than these loops while the weights sit in the caches, and
+ * 0.7x at one row from memory, docs/BENCHMARKS.md). One row runs them too, so that a row's result is the same in
+ * any batch of up to SKINNY_ROWS rows.
+ * Packed weight: w [k, n] as packed [ceil(n / STRIP), k, STRIP], strip b holding columns b STRIP .. (b + 1) STRIP
+ * (zeros past n) row after row, contiguous: a strip streams from memory at the copy bandwidth, where the same
+ * columns of w [k, n] are 256 bytes of rows a page or more apart (2x slower from memory). The threads split the
+ * strips; for up to TILE_ROWS rows at a time every row's sums of a strip's STRIP columns (four vector registers)
+ * stay in registers while its rows stream past. The sums run over k in chunks of KC (each chunk's partial sums
+ * added to the output: rounding grows with KC, not with k; a chunk of a strip is read from L2 by the next rows'
+ * tile), with fused multiply-adds (contracted here alone: the rest of the file keeps PyTorch's rounding). A row's
  * result does not depend on the other rows of the call. */
 #define SKINNY_ROWS 32
 #define KC 256
-#define PREFETCH 16
 #if defined(__AVX512F__)
-#define VEC 16 /* floats per vector register */
-#define TILE_ROWS 8 /* rows whose sums stay in registers: TILE_ROWS x 2 accumulators + 2 of w in 32 registers */
+#define VEC 16      /* floats per vector register */
+#define TILE_ROWS 6 /* rows whose sums stay in registers: TILE_ROWS x 4 accumulators + 4 of w in 32 registers */
 #else
 #define VEC 8
-#define TILE_ROWS 6 /* 16 registers */
+#define TILE_ROWS 3 /* 16 registers */
 #endif
+#define STRIP (4 * VEC)
+
+int strip_width(void) { return STRIP; }
+int skinny_rows(void) { return SKINNY_ROWS; }
+
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 typedef float vec __attribute__((vector_size(4 * VEC), aligned(4))); /* loads and stores unaligned */
 
-/* Rows x [R, k] times columns j..j+V*VEC of w [k, n] (V vectors), over k in [k0, k1), into y [R, n] (add: onto it). */
-INLINE void product_tile(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t j, int64_t k0,
-                         int64_t k1, int add, const int R, const int V) {
+/* Rows x [R, k] times the strip p [k, STRIP] over k in [k0, k1), into out [R, STRIP] (rows ldo apart; add: onto it). */
+INLINE void product_tile(const float *x, int64_t k, const float *p, int64_t k0, int64_t k1, float *out, int64_t ldo,
+                         int add, const int R) {
   vec acc[TILE_ROWS][4];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) acc[r][c] = (vec){0};
+    for (int c = 0; c < 4; ++c) acc[r][c] = (vec){0};
   for (int64_t i = k0; i < k1; ++i) {
-    vec wi[4];
-    for (int c = 0; c < V; ++c) __builtin_prefetch(w + (i + PREFETCH) * n + j + VEC * c);
-    for (int c = 0; c < V; ++c) wi[c] = *(const vec *)(w + i * n + j + VEC * c);
+    const vec *wi = (const vec *)(p + i * STRIP);
+    const vec w0 = wi[0], w1 = wi[1], w2 = wi[2], w3 = wi[3];
     for (int r = 0; r < R; ++r) {
       const float a = x[r * k + i];
-      for (int c = 0; c < V; ++c) acc[r][c] += a * wi[c];
+      acc[r][0] += a * w0;
+      acc[r][1] += a * w1;
+      acc[r][2] += a * w2;
+      acc[r][3] += a * w3;
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) {
-      vec *out = (vec *)(y + r * n + j + VEC * c);
-      *out = add ? *out + acc[r][c] : acc[r][c];
+    for (int c = 0; c < 4; ++c) {
+      vec *o = (vec *)(out + r * ldo + VEC * c);
+      *o = add ? *o + acc[r][c] : acc[r][c];
     }
 }
 
-/* Columns j..j+V*VEC of R <= TILE_ROWS rows, k in chunks of KC: V up to 4 for one or two rows (more sums in flight,
- * longer reads of each weight row), up to 2 for more (their sums fill the registers); R and V constants in each
- * copy. Each column's sum is the same whatever the tile. */
-static void product_columns(const float *x, const float *w, float *y, int64_t k, int64_t n, int64_t j, int R, int V) {
-  for (int64_t k0 = 0; k0 < k; k0 += KC) {
-    const int64_t k1 = k0 + KC < k ? k0 + KC : k;
-#define TILE(R_, V_) product_tile(x, w, y, k, n, j, k0, k1, k0 > 0, R_, V_)
-#define NARROW(R_) (V == 2 ? TILE(R_, 2) : TILE(R_, 1))
-#define WIDE(R_) (V == 4 ? TILE(R_, 4) : V == 3 ? TILE(R_, 3) : NARROW(R_))
-    switch (R) {
-    case 1: WIDE(1); break;
-    case 2: WIDE(2); break;
-    case 3: NARROW(3); break;
-    case 4: NARROW(4); break;
-    case 5: NARROW(5); break;
-#if TILE_ROWS == 8
-    case 6: NARROW(6); break;
-    case 7: NARROW(7); break;
+/* product_tile with R (1..TILE_ROWS) a constant in each copy. */
+static void product_rows(const float *x, int64_t k, const float *p, int64_t k0, int64_t k1, float *out, int64_t ldo,
+                         int add, int R) {
+  switch (R) {
+#define TILE(R_) product_tile(x, k, p, k0, k1, out, ldo, add, R_)
+  case 1: TILE(1); break;
+  case 2: TILE(2); break;
+#if TILE_ROWS == 6
+  case 3: TILE(3); break;
+  case 4: TILE(4); break;
+  case 5: TILE(5); break;
 #endif
-    default: NARROW(TILE_ROWS);
-    }
-#undef WIDE
-#undef NARROW
+  default: TILE(TILE_ROWS);
 #undef TILE
   }
 }
 
-/* y [t, n] = x [t, k] @ w [k, n]: the threads split the blocks of 4 VEC columns; per block, TILE_ROWS rows at a time
- * (so each row of w is read once per TILE_ROWS rows), the columns past a multiple of VEC one by one. */
-static void skinny_matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
-  const int64_t blocks = (n + 4 * VEC - 1) / (4 * VEC);
-#pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 1)
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t r0 = 0; r0 < t; r0 += TILE_ROWS) {
-      const int R = t - r0 < TILE_ROWS ? (int)(t - r0) : TILE_ROWS;
-      const float *xr = x + r0 * k;
-      float *yr = y + r0 * n;
-      const int64_t j = b * 4 * VEC, width = n - j < 4 * VEC ? n - j : 4 * VEC, vectors = width / VEC;
-      const int64_t step = R <= 2 ? 4 : 2;
-      for (int64_t v = 0; v < vectors; v += step)
-        product_columns(xr, w, yr, k, n, j + v * VEC, R, (int)(vectors - v < step ? vectors - v : step));
-      for (int64_t c = j + vectors * VEC; c < j + width; ++c)
-        for (int r = 0; r < R; ++r) {
-          float sum = 0.f;
-          for (int64_t i = 0; i < k; ++i) sum += xr[r * k + i] * w[i * n + c];
-          yr[r * n + c] = sum;
-        }
-    }
+/* y [t, n] = x [t, k] @ w [k, n], t <= SKINNY_ROWS, from w packed: the threads split the strips; per strip, for each
+ * chunk of k, TILE_ROWS rows at a time. A strip past n (the last, when STRIP does not divide n) sums into part. */
+static void skinny_matmul(const float *x, const float *packed, float *y, int64_t t, int64_t k, int64_t n) {
+  const int64_t strips = (n + STRIP - 1) / STRIP;
+#pragma omp parallel for schedule(static) num_threads(threads) if (strips > 1)
+  for (int64_t b = 0; b < strips; ++b) {
+    const float *p = packed + b * k * STRIP;
+    const int64_t j = b * STRIP, width = n - j < STRIP ? n - j : STRIP;
+    float part[width < STRIP ? SKINNY_ROWS * STRIP : 1];
+    float *out = width < STRIP ? part : y + j;
+    const int64_t ldo = width < STRIP ? STRIP : n;
+    for (int64_t k0 = 0; k0 < k; k0 += KC)
+      for (int64_t r0 = 0; r0 < t; r0 += TILE_ROWS)
+        product_rows(x + r0 * k, k, p, k0, k0 + KC < k ? k0 + KC : k, out + r0 * ldo, ldo, k0 > 0,
+                     t - r0 < TILE_ROWS ? (int)(t - r0) : TILE_ROWS);
+    if (width < STRIP)
+      for (int64_t r = 0; r < t; ++r) memcpy(y + r * n + j, part + r * STRIP, sizeof(float) * width);
+  }
 }
 #pragma GCC pop_options
 
-/* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous: skinny_matmul up to SKINNY_ROWS rows, else sgemm. In
- * BLAS's column-major terms y^T = w^T x^T, with no transposes: the call torch.mm makes for these layouts. */
-static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t k, int64_t n) {
+/* y [t, n] = x [t, k] @ w [k, n], row-major and contiguous: skinny_matmul from packed (w packed, above) up to
+ * SKINNY_ROWS rows when given, else sgemm on w. In BLAS's column-major terms y^T = w^T x^T, with no transposes: the
+ * call torch.mm makes for these layouts. */
+static void matmul(const float *x, const float *w, const float *packed, float *y, int64_t t, int64_t k, int64_t n) {
   const int rows = (int)t, inner = (int)k, cols = (int)n;
   const float one = 1.f, zero = 0.f;
   if (t == 0 || n == 0) return; /* BLAS refuses a leading dimension of 0 */
@@ -145,8 +142,8 @@ static void matmul(const float *x, const float *w, float *y, int64_t t, int64_t 
     memset(y, 0, sizeof(float) * t * n);
     return;
   }
-  if (t <= SKINNY_ROWS) {
-    skinny_matmul(x, w, y, t, k, n);
+  if (packed && t <= SKINNY_ROWS) {
+    skinny_matmul(x, packed, y, t, k, n);
     return;
   }
   sgemm("N", "N", &cols, &rows, &inner, &one, w, &cols, x, &inner, &zero, y, &cols);
@@ -186,15 +183,15 @@ static void rope(float *y, int64_t t, int64_t width, int64_t heads, int64_t d, c
     }
 }
 
-/* y [t, n] = rms_norm(x [t, h], norm_w) @ w [h, n]; then, if cos is given, RoPE of y's first rope_heads heads of
+/* y [t, n] = rms_norm(x [t, h], norm_w) @ w [h, n] (w_packed: w packed, or NULL; matmul); then, if cos is given, RoPE of y's first rope_heads heads of
  * head_dim values (rope above, with channel_out). Returns nonzero when out of memory. */
-int rms_norm_matmul_f32(const float *x, const float *norm_w, float eps, const float *w, float *y, int64_t t,
-                         int64_t h, int64_t n, const float *cos, const float *sin, int64_t sin_heads,
-                         int64_t rope_heads, int64_t head_dim, int64_t channel, float *channel_out) {
+int rms_norm_matmul_f32(const float *x, const float *norm_w, float eps, const float *w, const float *w_packed,
+                        float *y, int64_t t, int64_t h, int64_t n, const float *cos, const float *sin,
+                        int64_t sin_heads, int64_t rope_heads, int64_t head_dim, int64_t channel, float *channel_out) {
   float *normed = scratch(t * h);
   if (!normed) return 1;
   rms_norm(x, norm_w, eps, normed, t, h);
-  matmul(normed, w, y, t, h, n);
+  matmul(normed, w, w_packed, y, t, h, n);
   free(normed);
   if (cos) rope(y, t, n, rope_heads, head_dim, cos, sin, sin_heads, channel, channel_out);
   return 0;
@@ -224,19 +221,20 @@ static void add(const float *a, const float *b, float *y, int64_t t, int64_t h) 
 }
 
 /* The layer after its attention: y = x + attn @ o_w, then y += swiglu(rms_norm(y) @ gate_up_w) @ down_w.
- * x, y [t, h]; attn [t, a]; o_w [a, h]; gate_up_w [h, 2 f]; down_w [f, h]. Returns nonzero when out of memory. */
-int layer_output_f32(const float *x, const float *attn, const float *o_w, const float *norm_w, float eps,
-                     const float *gate_up_w, const float *down_w, float *y, int64_t t, int64_t h, int64_t a,
-                     int64_t f) {
+ * x, y [t, h]; attn [t, a]; o_w [a, h]; gate_up_w [h, 2 f]; down_w [f, h]; each with its packed copy or NULL (o_p,
+ * gate_up_p, down_p; matmul). Returns nonzero when out of memory. */
+int layer_output_f32(const float *x, const float *attn, const float *o_w, const float *o_p, const float *norm_w,
+                     float eps, const float *gate_up_w, const float *gate_up_p, const float *down_w,
+                     const float *down_p, float *y, int64_t t, int64_t h, int64_t a, int64_t f) {
   float *tmp = scratch(t * h), *normed = scratch(t * h), *gate_up = scratch(t * 2 * f), *act = scratch(t * f);
   const int failed = !tmp || !normed || !gate_up || !act;
   if (!failed) {
-    matmul(attn, o_w, tmp, t, a, h);
+    matmul(attn, o_w, o_p, tmp, t, a, h);
     add(x, tmp, y, t, h);
     rms_norm(y, norm_w, eps, normed, t, h);
-    matmul(normed, gate_up_w, gate_up, t, h, 2 * f);
+    matmul(normed, gate_up_w, gate_up_p, gate_up, t, h, 2 * f);
     swiglu(gate_up, act, t, f);
-    matmul(act, down_w, tmp, t, f, h);
+    matmul(act, down_w, down_p, tmp, t, f, h);
     add(y, tmp, y, t, h);
   }
   free(tmp);
@@ -254,38 +252,44 @@ int layer_output_f32(const float *x, const float *attn, const float *o_w, const 
 typedef int (*attention_fn)(const void *ctx, const float *heads, const float *channel, float *attn);
 
 static int attend_output(const float *x, const float *heads, const float *channel, void *attention, const void *ctx,
-                         int64_t a, const float *o_w, const float *norm_mlp_w, float eps, const float *gate_up_w,
-                         const float *down_w, int64_t t, int64_t h, int64_t f, float *y) {
+                         int64_t a, const float *o_w, const float *o_p, const float *norm_mlp_w, float eps,
+                         const float *gate_up_w, const float *gate_up_p, const float *down_w, const float *down_p,
+                         int64_t t, int64_t h, int64_t f, float *y) {
   float *attn = scratch(t * a);
   int code = -1;
   if (attn) {
     code = ((attention_fn)attention)(ctx, heads, channel, attn);
-    if (!code && layer_output_f32(x, attn, o_w, norm_mlp_w, eps, gate_up_w, down_w, y, t, h, a, f)) code = -1;
+    if (!code && layer_output_f32(x, attn, o_w, o_p, norm_mlp_w, eps, gate_up_w, gate_up_p, down_w, down_p, y, t, h,
+                                  a, f))
+      code = -1;
   }
   free(attn);
   return code;
 }
 
 int layer_attend_output_f32(const float *x, const float *heads, void *attention, const void *ctx, int64_t a,
-                            const float *o_w, const float *norm_mlp_w, float eps, const float *gate_up_w,
-                            const float *down_w, int64_t t, int64_t h, int64_t f, float *y) {
-  return attend_output(x, heads, NULL, attention, ctx, a, o_w, norm_mlp_w, eps, gate_up_w, down_w, t, h, f, y);
+                            const float *o_w, const float *o_p, const float *norm_mlp_w, float eps,
+                            const float *gate_up_w, const float *gate_up_p, const float *down_w, const float *down_p,
+                            int64_t t, int64_t h, int64_t f, float *y) {
+  return attend_output(x, heads, NULL, attention, ctx, a, o_w, o_p, norm_mlp_w, eps, gate_up_w, gate_up_p, down_w,
+                       down_p, t, h, f, y);
 }
 
 /* The whole layer: heads [t, n] = rms_norm_matmul_f32 (RoPE of the first rope_heads heads; channel >= 0: their
  * values at that channel before RoPE handed to the attention too), then the attention and the output as
  * layer_attend_output_f32. */
-int layer_decode_f32(const float *x, const float *norm_in_w, float eps, const float *qkv_w, int64_t t, int64_t h,
-                     int64_t n, const float *cos, const float *sin, int64_t sin_heads, int64_t rope_heads,
-                     int64_t head_dim, int64_t channel, void *attention, const void *ctx, int64_t a,
-                     const float *o_w, const float *norm_mlp_w, const float *gate_up_w, const float *down_w,
-                     int64_t f, float *y) {
+int layer_decode_f32(const float *x, const float *norm_in_w, float eps, const float *qkv_w, const float *qkv_p,
+                     int64_t t, int64_t h, int64_t n, const float *cos, const float *sin, int64_t sin_heads,
+                     int64_t rope_heads, int64_t head_dim, int64_t channel, void *attention, const void *ctx,
+                     int64_t a, const float *o_w, const float *o_p, const float *norm_mlp_w, const float *gate_up_w,
+                     const float *gate_up_p, const float *down_w, const float *down_p, int64_t f, float *y) {
   float *heads = scratch(t * n), *values = channel >= 0 ? scratch(t * rope_heads) : NULL;
   int code = -1;
   if (heads && (channel < 0 || values) &&
-      !rms_norm_matmul_f32(x, norm_in_w, eps, qkv_w, heads, t, h, n, cos, sin, sin_heads, rope_heads, head_dim,
-                           channel < 0 ? 0 : channel, values))
-    code = attend_output(x, heads, values, attention, ctx, a, o_w, norm_mlp_w, eps, gate_up_w, down_w, t, h, f, y);
+      !rms_norm_matmul_f32(x, norm_in_w, eps, qkv_w, qkv_p, heads, t, h, n, cos, sin, sin_heads, rope_heads,
+                           head_dim, channel < 0 ? 0 : channel, values))
+    code = attend_output(x, heads, values, attention, ctx, a, o_w, o_p, norm_mlp_w, eps, gate_up_w, gate_up_p,
+                         down_w, down_p, t, h, f, y);
   free(heads);
   free(values);
   return code;

@@ -58,8 +58,8 @@ def test_rms_norm_matmul_matches_the_tensor_ops(t):
 @pytest.mark.parametrize("k, n", [(64, 176), (600, 50), (37, 7)])
 def test_the_products_of_a_few_rows_by_the_kernels_own_loops(k, n):
     """Up to 32 rows take the kernel's own products (more: sgemm): within 1e-5 of float64 for every row count (tiles
-    of up to 8 rows, of 1-4 vectors of columns, columns past a multiple of 16, sums over k in chunks of 256), the
-    same on 1 and 2 threads, and a row's result the same whatever rows share the call."""
+    of up to 6 rows, a strip past n, sums over k in chunks of 256), the same on 1 and 2 threads, and a row's result
+    the same whatever rows share the call."""
     g = torch.Generator().manual_seed(k + n)
     x, w = torch.randn(33, k, generator=g), torch.randn(k, n, generator=g) / k ** 0.5
     ones = torch.ones(k)
@@ -76,6 +76,20 @@ def test_the_products_of_a_few_rows_by_the_kernels_own_loops(k, n):
         assert all(torch.equal(got[t], cpu.rms_norm_matmul_cpu(x[:t], ones, 1e-5, w)[0]) for t in counts if t <= 32)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_weights_packed_copy_follows_it():
+    """A few rows' products read the weight's packed copy (column strips of S, zeros past n): made once per weight,
+    made again after the weight changes in place."""
+    w, x, ones = torch.randn(37, 70), torch.randn(3, 37), torch.ones(37)
+    p, s = cpu.packed(w), cpu.library().strip
+    assert p.shape == (-(-70 // s), 37, s) and cpu.packed(w) is p
+    columns = p.transpose(0, 1).reshape(37, -1)
+    assert torch.equal(columns[:, :70], w) and not columns[:, 70:].any()
+    before = cpu.rms_norm_matmul_cpu(x, ones, 1e-5, w)[0]
+    w.mul_(2)
+    assert cpu.packed(w) is not p
+    assert torch.equal(cpu.rms_norm_matmul_cpu(x, ones, 1e-5, w)[0], 2 * before)
 
 
 @pytest.mark.parametrize("t", [1, 5, 64])
