@@ -139,6 +139,16 @@ struct attention { /* paged_decode_f32's arguments */
   int scores_mode;
 };
 
+/* Asks for the keys and values of the block of entries from `start` on (up to BLOCK, within one page). */
+INLINE void prefetch_block(const struct attention *a, const int32_t *pages, int64_t start, int64_t d, int64_t dv) {
+  const int64_t page_size = a->page_size, slot = start % page_size;
+  const int64_t n = page_size - slot < BLOCK ? page_size - slot : BLOCK;
+  const int64_t entry = (int64_t)pages[start / page_size] * page_size + slot;
+  const char *k = (const char *)(a->k_pages + entry * d), *v = (const char *)(a->v_pages + entry * dv);
+  for (int64_t b = 0; b < (int64_t)sizeof(float) * n * d; b += 64) __builtin_prefetch(k + b);
+  for (int64_t b = 0; b < (int64_t)sizeof(float) * n * dv; b += 64) __builtin_prefetch(v + b);
+}
+
 /* Row r, of len entries; kept: a buffer of groups x len for scores_mode 1. */
 INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, int64_t groups,
                        float *kept) {
@@ -157,6 +167,8 @@ INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_
     n = n < BLOCK ? n : BLOCK;
     const int64_t entry = (int64_t)pages[start / page_size] * page_size + slot;
     const float *k = a->k_pages + entry * d, *v = a->v_pages + entry * dv;
+    if (start + n < len) /* the next block: often another page, which the hardware's prefetchers do not foresee */
+      prefetch_block(a, pages, start + n, d, dv);
     float *s = scores_mode == 2 ? scores + start : NULL, *kp = kept ? kept + start : NULL;
     if (n == BLOCK) /* a whole block (all but a row's last with pages of 16 or more): its loops' counts known */
       attend_block(q, k, v, BLOCK, groups, d, dv, scale, max, sums, out, scores_mode, s, kp, len);
