@@ -58,7 +58,7 @@ static float *scratch(int64_t n) {
 #define TILE_ROWS 6 /* rows whose sums stay in registers: TILE_ROWS x 4 accumulators + 4 of w in 32 registers */
 #else
 #define VEC 8
-#define TILE_ROWS 3 /* 16 registers */
+#define TILE_ROWS 3 /* 16 registers: 12 accumulators, w read from L1 by the multiply-adds */
 #endif
 #define STRIP (4 * VEC)
 
@@ -183,8 +183,9 @@ static void rope(float *y, int64_t t, int64_t width, int64_t heads, int64_t d, c
     }
 }
 
-/* y [t, n] = rms_norm(x [t, h], norm_w) @ w [h, n] (w_packed: w packed, or NULL; matmul); then, if cos is given, RoPE of y's first rope_heads heads of
- * head_dim values (rope above, with channel_out). Returns nonzero when out of memory. */
+/* y [t, n] = rms_norm(x [t, h], norm_w) @ w [h, n] (w_packed: w packed, or NULL; matmul); then, if cos is given,
+ * RoPE of y's first rope_heads heads of head_dim values (rope above, with channel_out). Returns nonzero when out of
+ * memory. */
 int rms_norm_matmul_f32(const float *x, const float *norm_w, float eps, const float *w, const float *w_packed,
                         float *y, int64_t t, int64_t h, int64_t n, const float *cos, const float *sin,
                         int64_t sin_heads, int64_t rope_heads, int64_t head_dim, int64_t channel, float *channel_out) {
