@@ -1,14 +1,14 @@
 """A Llama layer's dense ops compiled for the CPU: ``cpu_kernel.c`` (built on first use, :mod:`kernels.compiled`).
 
-The matrix products of up to 32 rows (a decode step's tokens) run the kernel's own loops over a packed copy of
-the weight (:func:`packed`: column strips, each contiguous, so that they stream from memory; a few rows' sums in
+The matrix products of up to 32 rows (a decode step's tokens) run the kernel's own loops over a packed copy of the
+weight (:func:`packed`: column strips, each contiguous, so that they stream from memory; a few rows' sums in
 vector registers while a strip streams past: 2-5x MKL's sgemm for such shapes on this project's CPUs, from the
-caches or from memory; a row's result the same in any such batch); the others call the BLAS routine PyTorch's CPU build carries
-(``sgemm_`` of ``libtorch_cpu``, MKL on x86): the same routine ``torch.mm`` runs. Both, and the row loops of a
-prefill, on PyTorch's number of threads. When that symbol is not there (a build of PyTorch without it) or no C
-compiler is present, :func:`library` is None and the tensor ops run (:mod:`kernels.layer.reference`). All
-tensors fp32 and contiguous; the outputs are new tensors. A weight's packed copy is made at its first product of
-a few rows and kept while the weight lives: a model decoding on CPU holds its projections twice.
+caches or from memory; a row's result the same in any such batch); the others call the BLAS routine PyTorch's CPU
+build carries (``sgemm_`` of ``libtorch_cpu``, MKL on x86): the same routine ``torch.mm`` runs. Both, and the row
+loops of a prefill, on PyTorch's number of threads. When that symbol is not there (a build of PyTorch without it)
+or no C compiler is present, :func:`library` is None and the tensor ops run (:mod:`kernels.layer.reference`). All
+tensors fp32 and contiguous; the outputs are new tensors. A weight's packed copy is made at its first product of a
+few rows and kept while the weight lives: a model decoding on CPU holds its projections twice.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@
  * vectorises: the logits (every product of a query head and a key summed into LANES partial sums, then the
  * partial sums of the block's keys added across together), the block's max and the rescale of the running sums
  * and of out[r] when it grows, exp by a polynomial (exp_nonpos), and the weighted values accumulated in
- * registers; the next block's keys and values are asked for meanwhile (the next page is anywhere in the pool, where the
- * hardware's prefetchers do not look). Rows are independent: OpenMP threads take them in turn. The usual head sizes (32, 64, 128) and
- * query heads per row (1, 2, 4, 8) run copies compiled with the sizes as constants (loops unrolled: about 20%
- * faster at d = 32, the constant G another 2-17%); others the same code with the sizes as variables. No FMA is
- * used (-ffp-contract=off serves the DMC update; explicit FMA in the attention measured no faster).
+ * registers; the next block's keys and values are asked for meanwhile (the next page is anywhere in the pool,
+ * where the hardware's prefetchers do not look). Rows are independent: OpenMP threads take them in turn. The usual
+ * head sizes (32, 64, 128) and query heads per row (1, 2, 4, 8) run copies compiled with the sizes as constants
+ * (loops unrolled: about 20% faster at d = 32, the constant G another 2-17%); others the same code with the sizes
+ * as variables. No FMA is used (-ffp-contract=off serves the DMC update; explicit FMA in the attention measured no
+ * faster).
  *
  * scores_mode 1 ("probs") also writes, per entry, the sum over the G heads of its softmax weight; that needs
  * the final max and sum, so the logits are kept (a buffer of G x L per row) and normalised after the pass.
