@@ -141,20 +141,18 @@ struct attention { /* paged_decode_f32's arguments */
   int scores_mode;
 };
 
-/* Asks for the keys and values of the block of entries from `start` on (up to BLOCK, within one page). */
-INLINE void prefetch_block(const struct attention *a, const int32_t *pages, int64_t start, int64_t d, int64_t dv) {
+/* The block of a row's entries from `start` on (up to BLOCK, within one page and the row's len entries): its
+ * first entry's place in the pool, and its size in *n. */
+INLINE int64_t block_at(const struct attention *a, const int32_t *pages, int64_t start, int64_t len, int64_t *n) {
   const int64_t page_size = a->page_size, slot = start % page_size;
-  const int64_t n = page_size - slot < BLOCK ? page_size - slot : BLOCK;
-  const int64_t entry = (int64_t)pages[start / page_size] * page_size + slot;
-  const char *k = (const char *)(a->k_pages + entry * d), *v = (const char *)(a->v_pages + entry * dv);
-  for (int64_t b = 0; b < (int64_t)sizeof(float) * n * d; b += 64) __builtin_prefetch(k + b);
-  for (int64_t b = 0; b < (int64_t)sizeof(float) * n * dv; b += 64) __builtin_prefetch(v + b);
+  const int64_t in_page = page_size - slot < len - start ? page_size - slot : len - start;
+  *n = in_page < BLOCK ? in_page : BLOCK;
+  return (int64_t)pages[start / page_size] * page_size + slot;
 }
 
 /* Row r, of len entries; kept: a buffer of groups x len for scores_mode 1. */
 INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, int64_t groups,
                        float *kept) {
-  const int64_t page_size = a->page_size;
   const int32_t *pages = a->block_table + (a->rows ? a->rows[r] : r) * a->table_stride;
   const float *q = a->q + (r / a->q_inner) * a->q_outer + (r % a->q_inner) * groups * d, scale = a->scale;
   float *out = a->out + r * groups * dv, *scores = a->scores ? a->scores + r * a->scores_width : NULL;
@@ -164,13 +162,15 @@ INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_
   memset(sums, 0, sizeof sums);
   memset(out, 0, sizeof(float) * groups * dv);
   for (int64_t start = 0, n; start < len; start += n) {
-    const int64_t slot = start % page_size;
-    n = page_size - slot < len - start ? page_size - slot : len - start;
-    n = n < BLOCK ? n : BLOCK;
-    const int64_t entry = (int64_t)pages[start / page_size] * page_size + slot;
+    const int64_t entry = block_at(a, pages, start, len, &n);
     const float *k = a->k_pages + entry * d, *v = a->v_pages + entry * dv;
-    if (start + n < len) /* the next block: often another page, which the hardware's prefetchers do not foresee */
-      prefetch_block(a, pages, start + n, d, dv);
+    if (start + n < len) { /* ask for the next block: often another page, where the prefetchers do not look */
+      int64_t next_n;
+      const int64_t next = block_at(a, pages, start + n, len, &next_n);
+      const char *next_k = (const char *)(a->k_pages + next * d), *next_v = (const char *)(a->v_pages + next * dv);
+      for (int64_t b = 0; b < (int64_t)sizeof(float) * next_n * d; b += 64) __builtin_prefetch(next_k + b);
+      for (int64_t b = 0; b < (int64_t)sizeof(float) * next_n * dv; b += 64) __builtin_prefetch(next_v + b);
+    }
     float *s = scores_mode == 2 ? scores + start : NULL, *kp = kept ? kept + start : NULL;
     if (n == BLOCK) /* a whole block (all but a row's last with pages of 16 or more): its loops' counts known */
       attend_block(q, k, v, BLOCK, groups, d, dv, scale, max, sums, out, scores_mode, s, kp, len);
