@@ -28,7 +28,8 @@ def family_module(family: str):
 
 
 def load_both(module, variant: Path):
-    """``(checked-out build, variant build)`` of the family's library, the module's cache left as it was."""
+    """``(checked-out build, variant build)`` of the family's library; the module's cache is emptied after (its
+    next call loads the checked-out build again, from the kernel cache)."""
     main = module.library()
     source = module.SOURCE
     module.library.cache_clear()
