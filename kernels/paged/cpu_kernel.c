@@ -7,12 +7,11 @@
  * vectorises: the logits (every product of a query head and a key summed into LANES partial sums, then the
  * partial sums of the block's keys added across together), the block's max and the rescale of the running sums
  * and of out[r] when it grows, exp by a polynomial (exp_nonpos), and the weighted values accumulated in
- * registers; the next block's keys and values are asked for meanwhile (the next page is anywhere in the pool,
- * where the hardware's prefetchers do not look). Rows are independent: OpenMP threads take them in turn. The usual
- * head sizes (32, 64, 128) and query heads per row (1, 2, 4, 8) run copies compiled with the sizes as constants
- * (loops unrolled: about 20% faster at d = 32, the constant G another 2-17%); others the same code with the sizes
- * as variables. No FMA is used (-ffp-contract=off serves the DMC update; explicit FMA in the attention measured no
- * faster).
+ * registers; the next PREFETCH_BLOCKS blocks' keys and values are asked for meanwhile, into L2 (prefetch_block).
+ * Rows are independent: OpenMP threads take them in turn. The usual head sizes (32, 64, 128) and query heads per
+ * row (1, 2, 4, 8) run copies compiled with the sizes as constants (loops unrolled: about 20% faster at d = 32,
+ * the constant G another 2-17%); others the same code with the sizes as variables. No FMA is used
+ * (-ffp-contract=off serves the DMC update; explicit FMA in the attention measured no faster).
  *
  * scores_mode 1 ("probs") also writes, per entry, the sum over the G heads of its softmax weight; that needs
  * the final max and sum, so the logits are kept (a buffer of G x L per row) and normalised after the pass.
@@ -29,6 +28,7 @@
 #define BLOCK 16 /* entries attended together (within one page): a block's logits for a head are one vector */
 #define LANES 8  /* partial sums of a dot product */
 #define CHUNK 16 /* value components whose weighted sum over a block is kept in registers */
+#define PREFETCH_BLOCKS 2 /* a row's blocks asked for ahead of the one attended */
 #define INLINE static inline __attribute__((always_inline))
 
 /* logits[g * BLOCK + i] = q[g] . k[i] * scale for the block's n keys and every head; -inf for i >= n. */
@@ -150,6 +150,19 @@ INLINE int64_t block_at(const struct attention *a, const int32_t *pages, int64_t
   return (int64_t)pages[start / page_size] * page_size + slot;
 }
 
+/* Asks for the block of a row's entries from `start` on (block_at), its keys and values, into L2 (prefetcht1: the
+ * pages are anywhere in the pool, where the hardware's prefetchers do not look; from memory, blocks asked for into
+ * L2 arrive at twice the rate of those asked for into L1, which its few miss buffers hold back); returns its size. */
+INLINE int64_t prefetch_block(const struct attention *a, const int32_t *pages, int64_t start, int64_t len, int64_t d,
+                              int64_t dv) {
+  int64_t n;
+  const int64_t at = block_at(a, pages, start, len, &n);
+  const char *k = (const char *)(a->k_pages + at * d), *v = (const char *)(a->v_pages + at * dv);
+  for (int64_t b = 0; b < (int64_t)sizeof(float) * n * d; b += 64) __builtin_prefetch(k + b, 0, 2);
+  for (int64_t b = 0; b < (int64_t)sizeof(float) * n * dv; b += 64) __builtin_prefetch(v + b, 0, 2);
+  return n;
+}
+
 /* Row r, of len entries; kept: a buffer of groups x len for scores_mode 1. */
 INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_t d, int64_t dv, int64_t groups,
                        float *kept) {
@@ -161,16 +174,11 @@ INLINE void attend_row(const struct attention *a, int64_t r, int64_t len, int64_
   for (int64_t g = 0; g < groups; ++g) max[g] = -INFINITY;
   memset(sums, 0, sizeof sums);
   memset(out, 0, sizeof(float) * groups * dv);
-  for (int64_t start = 0, n; start < len; start += n) {
+  for (int64_t start = 0, n, fetched = 0; start < len; start += n) { /* fetched: entries asked for */
     const int64_t entry = block_at(a, pages, start, len, &n);
     const float *k = a->k_pages + entry * d, *v = a->v_pages + entry * dv;
-    if (start + n < len) { /* ask for the next block: often another page, where the prefetchers do not look */
-      int64_t next_n;
-      const int64_t next = block_at(a, pages, start + n, len, &next_n);
-      const char *next_k = (const char *)(a->k_pages + next * d), *next_v = (const char *)(a->v_pages + next * dv);
-      for (int64_t b = 0; b < (int64_t)sizeof(float) * next_n * d; b += 64) __builtin_prefetch(next_k + b);
-      for (int64_t b = 0; b < (int64_t)sizeof(float) * next_n * dv; b += 64) __builtin_prefetch(next_v + b);
-    }
+    while (fetched < len && fetched < start + (1 + PREFETCH_BLOCKS) * BLOCK)
+      fetched += prefetch_block(a, pages, fetched, len, d, dv);
     float *s = scores_mode == 2 ? scores + start : NULL, *kp = kept ? kept + start : NULL;
     if (n == BLOCK) /* a whole block (all but a row's last with pages of 16 or more): its loops' counts known */
       attend_block(q, k, v, BLOCK, groups, d, dv, scale, max, sums, out, scores_mode, s, kp, len);
