@@ -229,14 +229,15 @@ def cpu_report(args) -> None:
         ms = [timed(fwd_bwd(lambda m=mode: sum(partial_accumulation(k, v, alpha, omega, mode=m))), args.repeats,
                     device) * 1e3 for mode in ("exact", "window")]
         print(f"{n:6d} | {ms[0]:8.1f} | {ms[1]:12.1f}")
-    print("\npaged decode: 256 rows x 4 query heads, d 128, block table of 4096 tokens per row (pages shuffled in a "
-          "pool of 1 GB: read from memory)")
-    print("tokens held | ms | ms per 1K tokens held | K/V GB/s")
-    for tokens in (256, 1024, 4096):
-        q, kp, vp, table, lens = paged_case(256, tokens, 4096, 16, device, torch.float32)
-        t = timed(lambda: paged_attention(q, kp, vp, table, lens), args.repeats, device)
-        kv_bytes = 256 * tokens * 2 * 128 * 4
-        print(f"{tokens:11d} | {t * 1e3:6.2f} | {t * 1e3 / (tokens / 1024):21.2f} | {kv_bytes / t / 1e9:8.1f}")
+    for rows, groups, d in ((256, 4, 128), (1024, 1, 32)):  # a 7B model's head size, base_tiny's
+        print(f"\npaged decode: {rows} rows x {groups} query heads, d {d}, block table of 4096 tokens per row (pages "
+              "of 16 shuffled in a pool of 1 GB: read from memory)")
+        print("tokens held | ms | ms per 1K tokens held | K/V GB/s")
+        for tokens in (256, 1024, 4096):
+            q, kp, vp, table, lens = paged_case(rows, tokens, 4096, 16, device, torch.float32, groups, d)
+            t = timed(lambda: paged_attention(q, kp, vp, table, lens), args.repeats, device)
+            kv_bytes = rows * tokens * 2 * d * 4
+            print(f"{tokens:11d} | {t * 1e3:6.2f} | {t * 1e3 / (tokens / 1024):21.2f} | {kv_bytes / t / 1e9:8.1f}")
     gqa_report(args.repeats)
     decode_ops_report(args.repeats)
 
