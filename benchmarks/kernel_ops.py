@@ -230,7 +230,7 @@ def cpu_report(args) -> None:
                     device) * 1e3 for mode in ("exact", "window")]
         print(f"{n:6d} | {ms[0]:8.1f} | {ms[1]:12.1f}")
     for rows, groups, d in ((256, 4, 128), (1024, 1, 32)):  # a 7B model's head size, base_tiny's
-        print(f"\npaged decode: {rows} rows x {groups} query heads, d {d}, block table of 4096 tokens per row (pages "
+        print(f"\npaged decode: {rows} rows x {groups} query head(s), d {d}, block table of 4096 tokens per row (pages "
               "of 16 shuffled in a pool of 1 GB: read from memory)")
         print("tokens held | ms | ms per 1K tokens held | K/V GB/s")
         for tokens in (256, 1024, 4096):
