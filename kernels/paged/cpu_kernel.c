@@ -150,9 +150,9 @@ INLINE int64_t block_at(const struct attention *a, const int32_t *pages, int64_t
   return (int64_t)pages[start / page_size] * page_size + slot;
 }
 
-/* Asks for the block of a row's entries from `start` on (block_at), its keys and values, into L2 (prefetcht1: the
- * pages are anywhere in the pool, where the hardware's prefetchers do not look; from memory, blocks asked for into
- * L2 arrive at twice the rate of those asked for into L1, which its few miss buffers hold back); returns its size. */
+/* Asks for the block of a row's entries from `start` on (block_at), its keys and values, into L2 (prefetcht1): the
+ * pages are anywhere in the pool, where the hardware's prefetchers do not look, and from a pool larger than the
+ * caches blocks asked for into L2 arrive up to twice as fast as into L1 (docs/BENCHMARKS.md). Returns its size. */
 INLINE int64_t prefetch_block(const struct attention *a, const int32_t *pages, int64_t start, int64_t len, int64_t d,
                               int64_t dv) {
   int64_t n;
