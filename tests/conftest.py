@@ -1,5 +1,12 @@
-"""Triton kernels run on CPU tensors through Triton's interpreter in the tests; the variable must be set
-before Triton compiles anything (the kernels are imported lazily, on first use).
+"""One test suite, two devices: ``DMC_TEST_DEVICE`` (``cpu``, the default and CI's, or ``cuda``) chooses where the
+tests that exercise tensors run; they take it from the ``device`` fixture.
+
+- ``cpu``: the GPUs of the machine, if any, are hidden from the tests and every process they start
+  (``CUDA_VISIBLE_DEVICES=""``), so a training subprocess runs on CPU as in CI; Triton kernels run on CPU
+  tensors through Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton compiles anything: the
+  kernels are imported lazily, on first use).
+- ``cuda``: the same tests on the first visible GPU, Triton kernels compiled for real, training
+  subprocesses on CUDA with NCCL (``benchmarks/gpu_check.sh`` runs this).
 
 Files with a ``slow`` test run first: under ``pytest -n 2 --dist loadfile`` (the README's command) each
 file goes to one worker in collection order, so a long file collected last would run alone at the end.
@@ -10,7 +17,22 @@ import sys
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE = os.environ.get("DMC_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"DMC_TEST_DEVICE={TEST_DEVICE!r} is not one of cpu, cuda")
+if TEST_DEVICE == "cpu":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The ``torch.device`` the tests' tensors live on (``DMC_TEST_DEVICE``)."""
+    import torch
+
+    if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.exit("DMC_TEST_DEVICE=cuda but torch sees no GPU; run without it for the CPU tests", returncode=2)
+    return torch.device(TEST_DEVICE)
 
 
 def pytest_collection_modifyitems(config, items):
