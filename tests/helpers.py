@@ -8,6 +8,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# where the tests' tensors live (tests/conftest.py; the ``device`` fixture is the torch.device)
+TEST_DEVICE = os.environ.get("DMC_TEST_DEVICE", "cpu")
+# Triton kernels run: compiled on a GPU, or on CPU tensors under the interpreter (set by tests/conftest.py)
+TRITON_RUNS = TEST_DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def free_port() -> int:
