@@ -6,8 +6,10 @@ This is the module that reads launcher environment variables (torchrun's
 exception is ``cli.fail``, which reads ``RANK``/``WORLD_SIZE`` itself because it can run before torch is
 imported.
 
-Backend: NCCL when CUDA is available, gloo otherwise. On CPU the compatibility
-layer (``install_cpu_compat``) must be active before megatron builds any module.
+Backend: NCCL when CUDA is available (each process on GPU ``LOCAL_RANK``, megatron as it expects), gloo
+otherwise. On CPU the compatibility layer (``install_cpu_compat``) must be active before megatron builds any
+module. :func:`device` is the device this process computes on; everything the project creates for a model
+(RoPE tables, method state, loss terms, flags and metrics it all-reduces) goes there.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from dmc_train.errors import DeviceError
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,25 @@ def install_cpu_compat() -> bool:
     return True
 
 
+def device() -> torch.device:
+    """The device this process computes on: its GPU (chosen by :func:`initialize`: ``LOCAL_RANK``) when CUDA is
+    available, else the CPU."""
+    if _CPU_COMPAT_INSTALLED or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
+    """``tensor`` (on any device) all-reduced over ``group`` (default: all ranks) with ``op`` (default: sum),
+    through :func:`device` (NCCL reduces GPU tensors only); returned on ``tensor``'s device. The identity
+    without a process group."""
+    if not dist.is_initialized():
+        return tensor
+    work = tensor.to(device())
+    dist.all_reduce(work, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return work.to(tensor.device)
+
+
 def without_cpu_compat_mode() -> contextlib.AbstractContextManager:
     """A context in which torch calls skip the compatibility layer's TorchFunctionMode (F, G, H).
 
@@ -195,6 +218,7 @@ def initialize(layout_tp: int, layout_pp: int, layout_vpp: int | None, seed: int
     if not torch.cuda.is_available():
         install_cpu_compat()
     else:
+        check_gpus(env)
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -218,6 +242,25 @@ def initialize(layout_tp: int, layout_pp: int, layout_vpp: int | None, seed: int
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return env
+
+
+def check_gpus(env: LaunchEnv) -> None:
+    """One GPU per process of this node, and NCCL to connect them; DeviceError (one line) otherwise."""
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise DeviceError(f"process {env.local_rank} of this node needs GPU {env.local_rank}, but {count} "
+                          f"{'is' if count == 1 else 'are'} visible; launch at most {count} processes per node "
+                          f"(torchrun --nproc_per_node={count}) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    if not dist.is_nccl_available():
+        raise DeviceError("this torch build has no NCCL, which training on GPUs needs; install a CUDA build of torch "
+                          "with NCCL (requirements-gpu.txt), or train on CPU with CUDA_VISIBLE_DEVICES=\"\"")
+
+
+def check_precision(precision: str) -> None:
+    """``train.precision`` the device supports; DeviceError (one line) otherwise. Call after :func:`initialize`."""
+    if precision == "bf16" and device().type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise DeviceError(f"train.precision=bf16 but {torch.cuda.get_device_name()} has no bfloat16; use "
+                          f"train.precision=fp16 or fp32")
 
 
 def init_gloo_group(env: LaunchEnv, timeout_minutes: int = 30):

@@ -19,6 +19,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message names the checkpoint, the cause and the fix."""
 
 
+class DeviceError(UserError, RuntimeError):
+    """The machine cannot run what was asked: fewer GPUs than processes, NCCL missing, a precision the device
+    lacks."""
+
+
 class RunDirError(UserError, RuntimeError):
     """A run directory cannot be used: another live run holds its lock, or a fresh start would overwrite
     its checkpoints."""

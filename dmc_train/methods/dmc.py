@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 
+from dmc_train import distributed
 from dmc_train.config import kv_groups
 from dmc_train.methods.base import Method
 from dmc_train.methods.configs import dmc_settings
@@ -115,9 +116,10 @@ class DMCMethod(Method):
         if self.state.phase != "dmc":  # zero-out stage; fixed pooling learns no decisions
             return {}
         m = self.tracker.active
-        terms = {"cr_loss": torch.tensor(self.tracker.loss(m))}
+        device = distributed.device()
+        terms = {"cr_loss": torch.tensor(self.tracker.loss(m), device=device)}
         if self.state.settings.variant == "c":  # reported only: its gradient flows through the layers (AttachLoss)
-            terms["cr_c_loss"] = torch.tensor(self.tracker.constraint_loss(m))
+            terms["cr_c_loss"] = torch.tensor(self.tracker.constraint_loss(m), device=device)
         return terms
 
     def after_step(self, step: int, model_chunks) -> dict:

@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
+from dmc_train import distributed
 from dmc_train.config import kv_groups
 from dmc_train.models.attention import SDPACoreAttention
 from dmc_train.models.norm import RMSNorm
@@ -121,7 +122,9 @@ def block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
 
 
 def build_model(cfg: Any, attention: Optional[ModuleSpec] = None) -> list[GPTModel]:
-    """Build this rank's model chunks (one per virtual pipeline stage), unwrapped.
+    """Build this rank's model chunks (one per virtual pipeline stage), unwrapped, on this process's device
+    (:func:`dmc_train.distributed.device`): initialised on the CPU (the same weights for every layout and
+    device), then moved, as megatron's own training does.
 
     ``attention``: the ``self_attention`` spec of a method's attention variant (``llama_layer_spec``).
     """
@@ -145,13 +148,12 @@ def build_model(cfg: Any, attention: Optional[ModuleSpec] = None) -> list[GPTMod
             rotary_base=cfg.model.rotary_base,
             vp_stage=stage,
         ))
-    inv_freq = model_inv_freq(cfg.model)
+    inv_freq = model_inv_freq(cfg.model).to(distributed.device())
     for chunk in chunks:
         # megatron-core's RotaryEmbedding computes its angles from ``inv_freq`` (fp32, not a parameter or
         # buffer: never cast, saved or loaded); the project's frequencies, scaled by model.rope_scaling,
         # replace the unscaled ones it computed (equal to them without scaling). DMC's rope_order=pre
         # rotates the accumulated keys with this same embedding.
         chunk.rotary_pos_emb.inv_freq = inv_freq.clone()
-        if config.bf16 or config.fp16:
-            chunk.to(config.params_dtype)
+        chunk.to(device=distributed.device(), dtype=config.params_dtype)
     return chunks

@@ -83,7 +83,7 @@ class Keyformer(Scorer):
     def prompt_scores(self, q, k, layer):
         b, hk = k.shape[:2]
         q_mean = q.float().view(b, hk, -1, *q.shape[2:]).mean(2)  # mean logit = logit of the mean query
-        heads = torch.arange(hk)[:, None, None]
+        heads = torch.arange(hk, device=k.device)[:, None, None]
         noise = None
         if self.cfg.noise:
             def noise(qp, kp):

@@ -45,11 +45,11 @@ def compress_prompt(scorer: Scorer, prompt_scores: torch.Tensor, keep: int, fixe
                     num_kv_heads: int) -> torch.Tensor:
     """Slots ``[N, keep]`` of the prompt entries that stay, from ``prompt_scores [N, P]`` (positions = slots)."""
     n_rows, p = prompt_scores.shape
-    positions = torch.arange(p).expand(n_rows, p)
+    positions = torch.arange(p, device=prompt_scores.device).expand(n_rows, p)
     if keep >= p:
         return positions
     priority = aggregate(prompt_scores, scorer.cfg.aggregate, num_kv_heads)
-    return select(priority, positions, keep, torch.full((n_rows,), p - 1), *fixed)
+    return select(priority, positions, keep, torch.full((n_rows,), p - 1, device=positions.device), *fixed)
 
 
 @torch.no_grad()
@@ -62,11 +62,12 @@ def run_policy(scorer: Scorer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     hk = k.shape[1]
     g, rows = h // hk, b * hk
     p = max(1, min(prompt_len, n))
-    out = torch.empty(b, h, n, v.shape[-1], dtype=q.dtype)
+    dev = q.device
+    out = torch.empty(b, h, n, v.shape[-1], dtype=q.dtype, device=dev)
     out[:, :, :p] = F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True,
                                                    scale=scorer.scale, enable_gqa=g > 1)
-    evicted_at = torch.full((rows, n), -1, dtype=torch.long)
-    entries = Entries(torch.full((rows, n), -1, dtype=torch.long), torch.zeros(rows, n),
+    evicted_at = torch.full((rows, n), -1, dtype=torch.long, device=dev)
+    entries = Entries(torch.full((rows, n), -1, dtype=torch.long, device=dev), torch.zeros(rows, n, device=dev),
                       None if not scorer.code_bits else scorer.codes(k).reshape(rows, n, -1))
     entries.scores[:, :p] = scorer.prompt_scores(q[:, :, :p], k[:, :, :p], layer).reshape(rows, p)
     keep, fixed = prompt_keep(scorer, budget, p)
@@ -75,10 +76,11 @@ def run_policy(scorer: Scorer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     evicted_at[:, :p] = torch.where(entries.positions[:, :p] < 0, p, -1)
     evicting = scorer.cfg.schedule == "decode"  # prefill: decoded tokens are appended, nothing more is evicted
     qf, kf, vf = (x.float() for x in (q, k, v))
-    heads = torch.arange(hk).repeat(b)
-    horizon_t = torch.full((rows,), n - p if horizon is None else horizon)
+    heads = torch.arange(hk, device=dev).repeat(b)
+    horizon_t = torch.full((rows,), n - p if horizon is None else horizon, device=dev)
     for t in range(p, n):
-        step = Step(layer, heads, torch.full((rows,), t), torch.full((rows,), t - p), horizon_t, hk)
+        step = Step(layer, heads, torch.full((rows,), t, device=dev), torch.full((rows,), t - p, device=dev),
+                    horizon_t, hk)
         q_t = qf[:, :, t].reshape(rows, g, -1)  # [N, G, d]
         if evicting:
             full, slot = choose_victims(scorer, entries, q_t, step, budget)

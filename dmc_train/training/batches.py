@@ -13,15 +13,16 @@ import torch
 
 
 def step_microbatches(dataset, consumed: int, global_batch: int, micro_batch: int,
-                      dp_rank: int, dp_size: int) -> list[dict]:
-    """Micro-batches (dicts of ``[micro_batch, seq]`` tensors) for this rank's share of one step."""
+                      dp_rank: int, dp_size: int, device: torch.device | None = None) -> list[dict]:
+    """Micro-batches (dicts of ``[micro_batch, seq]`` tensors, on ``device``) for this rank's share of one step."""
     per_rank = global_batch // dp_size
     start = consumed + dp_rank * per_rank
     out = []
     for m in range(per_rank // micro_batch):
         idx = [(start + m * micro_batch + j) % len(dataset) for j in range(micro_batch)]
         samples = [dataset[i] for i in idx]
-        out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]})
+        out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(device, non_blocking=True)
+                    for k in samples[0]})
     return out
 
 

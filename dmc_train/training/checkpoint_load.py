@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from megatron.core import dist_checkpointing
 
+from dmc_train import distributed
 from dmc_train.distributed import world_size
 from dmc_train.errors import CheckpointError
 from dmc_train.training import base_reference, hf_loading
@@ -65,7 +66,9 @@ def load_checkpoint(cfg: Any, ckpt: str, meta: dict, model, optimizer, scheduler
     scheduler.load_state_dict(state["scheduler"])
     method.load_state_dict(state.get("method", {}))
     if "rng_state" in state:
-        set_rng_state(state["rng_state"])
+        note = set_rng_state(state["rng_state"])
+        if note and distributed.is_rank0():
+            print(f"note: {note}", flush=True)
     return int(state["step"]), int(state["consumed_samples"])
 
 

@@ -18,6 +18,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from dmc_train import distributed
+
 DISTOPT_FORMAT = "dp_reshardable"
 
 
@@ -53,11 +55,15 @@ def uses_distopt(model) -> bool:
 
 
 def _rng_state() -> ShardedObject:
+    on_gpu = distributed.device().type == "cuda"
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if on_gpu else None,
+        # megatron's tracker holds the generator states of the device trained on (the CPU generator's without
+        # a GPU: the compatibility layer); they only restore on the same kind of device
+        "tracker_device": distributed.device().type,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     ps = parallel_state
@@ -70,14 +76,23 @@ def _rng_state() -> ShardedObject:
         replica_id=0)
 
 
-def set_rng_state(state: dict) -> None:
-    """Restore the RNG states ``sharded_state`` saved (python, numpy, torch, CUDA, megatron's tracker)."""
+def set_rng_state(state: dict) -> Optional[str]:
+    """Restore the RNG states ``sharded_state`` saved (python, numpy, torch, CUDA, megatron's tracker). The GPU's
+    and the tracker's are restored only on the kind of device they were saved on; returns a note saying so
+    otherwise (a GPU checkpoint resumed on CPU or the reverse: the training's own randomness, DMC's noise and
+    the data order, comes from the CPU generators and continues exactly), else None."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    saved_on = state.get("tracker_device", "cpu")  # checkpoints from before GPUs ran were written on CPU
+    here = distributed.device().type
+    if saved_on != here:
+        return (f"the checkpoint was written on {saved_on.upper()} and resumes on {here.upper()}: weights, optimizer "
+                f"and data position are restored, the {saved_on.upper()} generators' states are not")
+    if state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    return None
 
 
 def _inner_optimizers(optimizer) -> list:

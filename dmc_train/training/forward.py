@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from dmc_train import distributed
 from dmc_train.training.batches import chunk_iterators, step_microbatches
 
 # Extra loss terms of a micro-batch, computed on the last stage after its forward (Method.loss_terms).
@@ -72,7 +73,7 @@ def batch_losses(model: list, dataset, consumed: int, global_batch: int, micro_b
                  forward_step, forward_only: bool) -> list[dict]:
     """Run global batch ``[consumed, consumed + global_batch)`` of ``dataset`` (this rank's share)."""
     micro = step_microbatches(dataset, consumed, global_batch, micro_batch,
-                              ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+                              ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), distributed.device())
     return run_schedule(model, micro, forward_step, seq_length, micro_batch, forward_only)
 
 
@@ -99,14 +100,16 @@ def evaluate_loss(model: list, dataset, batches: int, global_batch: int, micro_b
 def logits(model: list, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     """Full-vocabulary logits ``[b, s, vocab]`` for ``tokens [b, s]`` (eval mode, any layout).
 
-    Returned on the last pipeline stage (None elsewhere), gathered across tensor-parallel ranks.
+    Returned on the last pipeline stage (None elsewhere), gathered across tensor-parallel ranks, on the model's
+    device (:func:`dmc_train.distributed.device`; ``tokens`` may be on any device).
     """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     was_training = [chunk.training for chunk in model]
     for chunk in model:
         chunk.eval()
-    batch = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1]).expand_as(tokens)}
+    tokens = tokens.to(distributed.device())
+    batch = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)}
 
     def forward_step(data_iterator, chunk):
         b = next(data_iterator)
@@ -125,7 +128,7 @@ def reduce_losses(per_micro: list[dict]) -> dict[str, float]:
     names = sorted(per_micro[0]) if per_micro else []
     if dist.is_initialized():
         names = _names_from_last_stage(names)
-    sums = torch.zeros(2 * len(names), dtype=torch.float64)
+    sums = torch.zeros(2 * len(names), dtype=torch.float64, device=distributed.device())
     for m in per_micro:
         for i, n in enumerate(names):
             sums[2 * i: 2 * i + 2] += m[n].double()

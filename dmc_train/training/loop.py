@@ -69,6 +69,7 @@ class Trainer:
         validate(cfg, distributed.read_launch_env().world_size)
         self.env = distributed.initialize(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.virtual_pipeline,
                                           cfg.train.seed, cfg.parallel.timeout_minutes)
+        distributed.check_precision(cfg.train.precision)
         cfg.run_dir = distributed.broadcast_object(cfg.run_dir)  # e.g. a ${now:...} run dir: rank 0's wins
         if lock_run_dir:
             run_lock.hold(cfg.run_dir)
@@ -150,13 +151,11 @@ class Trainer:
 
     def _all_finite(self, loss: float) -> bool:
         """Loss and every local gradient finite, agreed over all ranks (a NaN may hit one stage only)."""
-        finite = math.isfinite(loss)
-        for chunk in self.model:
-            for p in chunk.parameters():
-                g = getattr(p, "main_grad", None)
-                if finite and g is not None and not torch.isfinite(g).all():
-                    finite = False
-        flag = torch.tensor([1.0 if finite else 0.0])
+        flag = torch.tensor([1.0 if math.isfinite(loss) else 0.0], device=distributed.device())
+        grads = [p.main_grad for chunk in self.model for p in chunk.parameters()
+                 if getattr(p, "main_grad", None) is not None]
+        if grads and flag.item():  # one check on the device (no host round trip per parameter)
+            flag *= torch.stack([torch.isfinite(g).all() for g in grads]).all()
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())

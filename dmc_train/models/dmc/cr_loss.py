@@ -40,6 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dmc_train import distributed
+
 FORMS = ("paper", "released", "per_head", "per_layer_head")
 # Columns of the per-micro-batch, per-(layer, KV head) sums (per sequence: HARD and COUNT).
 KEEP, HARD, COUNT, CONSTRAINT = range(4)
@@ -71,11 +73,12 @@ class CRLossTracker:
         self._pending: dict[int, object] = {}  # m -> async all-reduce work
         self._forwards.clear()
 
-    def _sums(self, m: int, batch: int = 0) -> torch.Tensor:
-        """The [layers, heads, 4] sums of micro-batch m (``batch``: its sequences, known at the first record)."""
+    def _sums(self, m: int, batch: int = 0, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The [layers, heads, 4] sums of micro-batch m (``batch``: its sequences, and ``device``: the model's,
+        known at the first record)."""
         if m not in self._partial:
             h = self.num_layers * self.num_heads * 4
-            buf = torch.zeros(h + 2 * batch, dtype=torch.float64)
+            buf = torch.zeros(h + 2 * batch, dtype=torch.float64, device=device)
             self._buffers[m], self._per_seq[m] = buf, buf[h:].view(-1, 2)
             self._partial[m] = buf[:h].view(self.num_layers, self.num_heads, 4)
         return self._partial[m]
@@ -89,7 +92,7 @@ class CRLossTracker:
         m = self.active
         self._done[m] += 1
         if self._done[m] == self.num_chunks and self.group is not None:
-            self._sums(m)
+            self._sums(m, device=distributed.device())  # a stage that recorded nothing joins with zeros
             self._pending[m] = dist.all_reduce(self._buffers[m], group=self.group, async_op=True)
 
     def record(self, alpha: torch.Tensor, layer: int, head_offset: int,
@@ -105,7 +108,9 @@ class CRLossTracker:
         a = alpha.detach().double()
         hard = (a > 0.5).double()
         heads = slice(head_offset, head_offset + h)
-        sums = self._sums(m, b)[layer]
+        sums = self._sums(m, b, alpha.device)[layer]
+        if self.stats.device != alpha.device:  # the counts live where the decisions are made
+            self.stats = self.stats.to(alpha.device)
         self._per_seq[m][:, 0] += hard.sum(dim=(1, 2))
         self._per_seq[m][:, 1] += h * n
         sums[heads, KEEP] += (1 - a).sum(dim=(0, 2))
@@ -158,7 +163,7 @@ class CRLossTracker:
         if self.form == "paper":
             n = sums[..., COUNT].sum()
             active = float(sums[..., KEEP].sum() > n / self.target_cr)
-            return torch.full((1, heads, 1), -tokens * active / float(n), dtype=torch.float64)
+            return torch.full((1, heads, 1), -tokens * active / float(n), dtype=torch.float64, device=sums.device)
         # hinge forms, over groups i: d mean_i max(0, 1 - 1/CR - hard_i / count_i) / d alpha
         # = -1 / (number of groups * count_i) where the hinge of i is active
         hinged = self._hinged(m)
@@ -179,9 +184,7 @@ class CRLossTracker:
 
     def reduce_stats(self, group=None) -> torch.Tensor:
         """Sum the per-(layer, head) counts over ``group`` (default: all ranks), return and reset them."""
-        stats = self.stats.clone()
-        if dist.is_initialized():
-            dist.all_reduce(stats, group=group)
+        stats = distributed.all_reduce(self.stats.clone(), group=group)
         self.stats.zero_()
         return stats
 
