@@ -13,8 +13,9 @@ Public ops (validate their inputs, then dispatch by device in one place, ``_accu
 Implementations: the Triton kernels (``accumulation_triton.py``, ``attention_triton.py``) for CUDA
 tensors when Triton is installed (:mod:`kernels.backend`; ``DMC_KERNELS=torch|triton`` forces one
 side, Triton on CPU tensors under ``TRITON_INTERPRET=1``); otherwise the PyTorch paths:
-``accumulation.py``, and for attention the fused CPU kernels (``attention_cpu.py``) on CPU, the
-portable blocked version (``attention_blocked.py``) elsewhere. The Triton modules are imported on
+``accumulation.py``. Attention runs PyTorch's fused flash kernels (``attention_fused.py``: CPU flash on CPU,
+FlashAttention-2 / the memory-efficient kernel on CUDA) wherever they take the inputs, else the portable
+blocked version (``attention_blocked.py``). The Triton modules are imported on
 first use (Triton decides compiled vs interpreted when a kernel is defined).
 
 References (``reference.py``, re-exported here): :func:`reference_partial_accumulation` (token loop),
@@ -32,12 +33,12 @@ from typing import Callable
 
 import torch
 
-from kernels.backend import use_triton
+from kernels.backend import get_backend, use_triton
 
 from ._checks import check_gqa, check_kv, check_per_head, check_positive_int
 from .accumulation import partial_accumulation_torch
 from .attention_blocked import BlockedDMCAttention
-from .attention_cpu import FusedCPUDMCAttention, fused_cpu_available
+from .attention_fused import FusedDMCAttention, fused_ops
 from .reference import (
     DMCHeadCache,
     dense_dmc_attention,
@@ -49,7 +50,7 @@ from .reference import (
 )
 
 MODES = ("exact", "window")
-IMPLS = ("auto", "fused_cpu", "blocked", "triton")
+IMPLS = ("auto", "fused", "blocked", "triton")
 
 __all__ = [
     "IMPLS",
@@ -81,20 +82,19 @@ def _accumulation_impl(device: torch.device) -> Callable:
     return partial_accumulation_torch
 
 
-def _attention_impl(device: torch.device, impl: str) -> str:
-    """Resolve ``impl`` of :func:`dmc_attention` for tensors on ``device`` to ``"triton"``,
-    ``"fused_cpu"`` or ``"blocked"``.
+def _attention_impl(device: torch.device, dtype: torch.dtype, impl: str) -> str:
+    """Resolve ``impl`` of :func:`dmc_attention` for tensors on ``device`` of ``dtype`` to ``"fused"``,
+    ``"triton"`` or ``"blocked"``.
 
-    ``"auto"``: Triton where :func:`kernels.backend.use_triton` says so (CUDA tensors), else the fused
-    CPU kernels on CPU (when this torch has them), else the portable blocked version.
+    ``"auto"``: the fused kernels where they take the inputs (:func:`~.attention_fused.fused_ops`; not when
+    ``DMC_KERNELS=triton`` forces the Triton kernels), else the portable blocked version.
     """
-    on_cpu = device.type == "cpu"
-    if impl == "fused_cpu" and not (on_cpu and fused_cpu_available()):
-        raise ValueError(f"impl='fused_cpu' needs CPU tensors and torch's fused CPU flash attention (got {device})")
+    if impl == "fused" and fused_ops(device, dtype) is None:
+        raise ValueError(f"impl='fused' has no fused attention kernel for {dtype} tensors on {device}")
     if impl == "auto":
-        if use_triton(device):
+        if get_backend() == "triton" and use_triton(device):
             return "triton"
-        return "fused_cpu" if on_cpu and fused_cpu_available() else "blocked"
+        return "fused" if fused_ops(device, dtype) is not None else "blocked"
     return impl
 
 
@@ -157,9 +157,10 @@ def dmc_attention(
     Implementations (custom autograd functions that save only q, k~, v~, alpha, the output and the
     row log-sum-exp, never an n x n tensor):
 
-    - ``"fused_cpu"`` (``attention_cpu.py``): PyTorch's fused CPU flash-attention kernels on keys
-      shifted by one position with the bias in one channel, plus the diagonal merged through
-      log-sum-exps. Pass DMC's decision channel as ``free_channel`` to keep the head size d.
+    - ``"fused"`` (``attention_fused.py``): PyTorch's fused flash-attention kernels (CPU flash; on CUDA
+      FlashAttention-2, or the memory-efficient kernel for fp32) on keys shifted by one position with the
+      bias in one channel, plus the diagonal merged through log-sum-exps. Pass DMC's decision channel as
+      ``free_channel`` to keep the head size d.
     - ``"blocked"`` (any device, ``attention_blocked.py``): query blocks x key ranges with an online
       softmax in plain tensor ops.
 
@@ -178,11 +179,11 @@ def dmc_attention(
         scale: score scale, default ``1 / sqrt(d)``.
         block, key_block: query rows per block and key columns per step (``"blocked"`` only).
         free_channel: a channel of q / k_tilde that takes no part in attention (DMC's decision
-            channel): it is treated as 0 whatever it holds, and gets gradient 0. ``"fused_cpu"``
+            channel): it is treated as 0 whatever it holds, and gets gradient 0. ``"fused"``
             carries the bias in it instead of appending a channel (faster).
-        impl: ``"auto"`` (Triton on CUDA tensors, ``"fused_cpu"`` on CPU, else ``"blocked"``), ``"triton"``
+        impl: ``"auto"`` (``"fused"`` where its kernels take the inputs, else ``"blocked"``), ``"triton"``
             (``attention_triton.py``: flash-attention-style tiles, forward and backward kernels),
-            ``"fused_cpu"`` or ``"blocked"``.
+            ``"fused"`` or ``"blocked"``.
 
     Returns:
         ``out [b, h_q, n, d_v]`` in the dtype of ``q``; computed in float32 (float64 stays float64).
@@ -202,13 +203,14 @@ def dmc_attention(
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    chosen = _attention_impl(q.device, impl)
+    chosen = _attention_impl(q.device, q.dtype, impl)
     if chosen == "triton":
         from .attention_triton import dmc_attention_triton
 
         return dmc_attention_triton(q, k_tilde, v_tilde, alpha, float(scale), free_channel)
-    if chosen == "fused_cpu":
-        return FusedCPUDMCAttention.apply(q, k_tilde, v_tilde, alpha, float(scale), free_channel)
+    if chosen == "fused":
+        ops = fused_ops(q.device, q.dtype)
+        return FusedDMCAttention.apply(q, k_tilde, v_tilde, alpha, float(scale), free_channel, ops)
     if free_channel is not None:
         q = q.index_fill(-1, torch.tensor([free_channel], device=q.device), 0)
     return BlockedDMCAttention.apply(q, k_tilde, v_tilde, alpha, float(scale), block, key_block)

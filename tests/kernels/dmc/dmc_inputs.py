@@ -3,7 +3,7 @@
 import torch
 
 # The dmc_attention implementations every attention test runs on ("auto" resolves to one of them).
-IMPLS = ["fused_cpu", "blocked"]
+IMPLS = ["fused", "blocked"]
 
 
 def make_inputs(b=2, hk=2, G=1, n=20, d=8, dv=None, dtype=torch.float32, seed=0):

@@ -92,8 +92,8 @@ def test_dmc_attention_gradcheck():
     for kwargs in (
         {"block": 2, "key_block": 2, "impl": "blocked"},
         {"scale": 0.7, "block": 4, "key_block": 1, "impl": "blocked"},
-        {"impl": "fused_cpu"},
-        {"scale": 0.7, "free_channel": 1, "impl": "fused_cpu"},
+        {"impl": "fused"},
+        {"scale": 0.7, "free_channel": 1, "impl": "fused"},
     ):
         assert torch.autograd.gradcheck(lambda *x: dmc_attention(*x, **kwargs), inputs), kwargs
 
