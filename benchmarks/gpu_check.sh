@@ -24,6 +24,8 @@ while [ $# -gt 0 ]; do
 done
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
+SCRATCH=$(mktemp -d)  # run directories and installed packages; logs and results go to $DEST
+trap 'rm -rf "$SCRATCH"' EXIT
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 declare -a TABLE
@@ -33,7 +35,7 @@ skipped() { [[ ",$SKIP," == *",$1,"* ]]; }
 # -- 1. install ---------------------------------------------------------------------------------
 t0=$SECONDS
 if ! $PY -c "import megatron.core, hydra, omegaconf" 2>/dev/null; then
-  SITE="$DEST/site"
+  SITE="$SCRATCH/site"
   if [ -n "$WHEELS" ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
   else
@@ -54,7 +56,7 @@ losses() {  # losses of metrics.jsonl: "step loss" per line
 }
 train() {  # train RUN_NAME LOG [overrides...]
   local name=$1 log=$2; shift 2
-  $PY launch/pretrain.py +recipe=tiny_pretrain run_dir="$DEST/$name" train.max_steps=20 logging.progress=false "$@" \
+  $PY launch/pretrain.py +recipe=tiny_pretrain run_dir="$SCRATCH/$name" train.max_steps=20 logging.progress=false "$@" \
     >>"$DEST/$log" 2>&1
 }
 
@@ -62,7 +64,7 @@ train() {  # train RUN_NAME LOG [overrides...]
 if ! skipped runs; then
   t0=$SECONDS
   if train tiny tiny.log checkpoint.save_interval=10; then
-    record "tiny run, 20 steps" ok "loss $(losses "$DEST/tiny/metrics.jsonl" | tail -1 | cut -d' ' -f2) ($((SECONDS - t0)) s)"
+    record "tiny run, 20 steps" ok "loss $(losses "$SCRATCH/tiny/metrics.jsonl" | tail -1 | cut -d' ' -f2) ($((SECONDS - t0)) s)"
   else
     record "tiny run, 20 steps" FAILED "$(tail -1 "$DEST/tiny.log")"
   fi
@@ -70,11 +72,10 @@ if ! skipped runs; then
   t0=$SECONDS
   train killed killed.log checkpoint.save_interval=5 &
   pid=$!
-  while kill -0 $pid 2>/dev/null && [ ! -e "$DEST/killed/checkpoints/iter_0000010/meta.json" ]; do sleep 0.2; done
-  kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
-  pkill -9 -f "run_dir=$DEST/killed" 2>/dev/null
+  while kill -0 $pid 2>/dev/null && [ ! -e "$SCRATCH/killed/checkpoints/iter_0000010/meta.json" ]; do sleep 0.2; done
+  pkill -9 -f "run_dir=$SCRATCH/killed" 2>/dev/null; wait $pid 2>/dev/null
   if train killed killed.log checkpoint.save_interval=5 && \
-     diff <(losses "$DEST/tiny/metrics.jsonl" | tail -5) <(losses "$DEST/killed/metrics.jsonl" | tail -5) >"$DEST/killed.diff"; then
+     diff <(losses "$SCRATCH/tiny/metrics.jsonl" | tail -5) <(losses "$SCRATCH/killed/metrics.jsonl" | tail -5) >"$DEST/killed.diff"; then
     record "kill -9 and resume" ok "last 5 losses equal the uninterrupted run's ($((SECONDS - t0)) s)"
   else
     record "kill -9 and resume" FAILED "$(tail -1 "$DEST/killed.log") $(head -3 "$DEST/killed.diff" | tr '\n' ' ')"
@@ -84,13 +85,13 @@ if ! skipped runs; then
   dmc=(method=dmc method.target_cr=2 train.max_steps=12)
   if train dmc dmc.log "${dmc[@]}" train.max_steps_per_job=10 && \
      CUDA_VISIBLE_DEVICES="" train dmc dmc.log "${dmc[@]}"; then
-    record "DMC on GPU, resumed on CPU" ok "loss $(losses "$DEST/dmc/metrics.jsonl" | tail -1 | cut -d' ' -f2) ($((SECONDS - t0)) s)"
+    record "DMC on GPU, resumed on CPU" ok "loss $(losses "$SCRATCH/dmc/metrics.jsonl" | tail -1 | cut -d' ' -f2) ($((SECONDS - t0)) s)"
   else
     record "DMC on GPU, resumed on CPU" FAILED "$(tail -1 "$DEST/dmc.log")"
   fi
 
   t0=$SECONDS
-  if train less less.log method=less method.budget=16 train.max_steps=3 checkpoint.init_from="$DEST/tiny"; then
+  if train less less.log method=less method.budget=16 train.max_steps=3 checkpoint.init_from="$SCRATCH/tiny"; then
     record "LESS from the tiny run" ok "($((SECONDS - t0)) s)"
   else
     record "LESS from the tiny run" FAILED "$(tail -1 "$DEST/less.log")"
@@ -100,7 +101,7 @@ fi
 # -- 3. benchmark -------------------------------------------------------------------------------
 if ! skipped bench; then
   t0=$SECONDS
-  if $PY benchmarks/gpu_train.py --layers 2 --seq 4096 --steps 2 --out "$DEST" 2>&1 | tee "$DEST/gpu_train.log"; then
+  if timeout "${DMC_CHECK_BENCH_SECONDS:-330}" $PY benchmarks/gpu_train.py --layers 2 --seq 4096 --steps 2 --out "$DEST" 2>&1 | tee "$DEST/gpu_train.log"; then
     record "benchmarks/gpu_train.py" ok "($((SECONDS - t0)) s; goals below)"
   else
     record "benchmarks/gpu_train.py" FAILED "$(tail -1 "$DEST/gpu_train.log")"
