@@ -13,22 +13,23 @@ from dmc_train.models.llama_weights import split_qkv
 from dmc_train.recipes import load_config, validate
 
 
-def _alphas(seed, shapes, scale=1.0):
+def _alphas(seed, shapes, device, scale=1.0):
+    """Drawn on CPU (the same values on every device), then moved to ``device``: leaves that require grad."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.rand(s, generator=gen, dtype=torch.float64) * scale).requires_grad_() for s in shapes]
+    return [(torch.rand(s, generator=gen, dtype=torch.float64) * scale).to(device).requires_grad_() for s in shapes]
 
 
 @pytest.mark.parametrize("target_cr, active", [(1.5, True), (4.0, True), (1.0, False)])
-def test_cr_gradient_equals_autograd_of_eq10(target_cr, active):
+def test_cr_gradient_equals_autograd_of_eq10(target_cr, active, device):
     """Two micro-batches through two 'layers': the injected gradient equals autograd of
     sum_m tokens_m * max(0, S_m - N_m / CR) / N_m, and the loss values agree."""
     shapes = [(2, 3, 5), (2, 3, 5)]  # [b, h_kv, n] per layer
     tracker = CRLossTracker(num_layers=2, num_heads=3)
     tracker.target_cr = target_cr
-    weights = torch.randn(2, 3, 5, dtype=torch.float64)
+    weights = torch.randn(2, 3, 5, dtype=torch.float64).to(device)
     ours, ref = [], []
     for m in range(2):
-        alphas = _alphas(m, shapes, scale=0.4)
+        alphas = _alphas(m, shapes, device, scale=0.4)
         ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
         tracker.begin_chunk(0)
         wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
@@ -51,16 +52,17 @@ def test_cr_gradient_equals_autograd_of_eq10(target_cr, active):
             torch.testing.assert_close(g, rg)
     # Per-head hard-decision statistics: alphas <= 0.5 count as appends.
     stats = tracker.reduce_stats()
+    assert stats.device.type == device.type  # the counts live where the decisions are made
     assert stats[..., 1].sum() == 2 * 2 * 3 * 2 * 5
     assert stats[..., 0].sum() > 0 and (stats[..., 0] <= stats[..., 1]).all()
 
 
-def test_cr_reduction_waits_for_every_model_chunk():
+def test_cr_reduction_waits_for_every_model_chunk(device):
     """With 2 chunks per rank (interleaved PP) micro-batch m is complete only after both chunks ran it."""
     tracker = CRLossTracker(num_layers=2, num_heads=1, num_chunks=2)
     for chunk, layer in ((0, 0), (0, 0), (1, 1), (1, 1)):  # chunk 0 runs m=0,1, then chunk 1 runs m=0,1
         tracker.begin_chunk(chunk)
-        tracker.record(torch.full((1, 1, 4), 0.25), layer, 0)
+        tracker.record(torch.full((1, 1, 4), 0.25, device=device), layer, 0)
         tracker.end_chunk(chunk)
     tracker.target_cr = 1.0
     assert tracker._partial[0][:, 0, :3].sum(0).tolist() == [2 * 4 * 0.75, 0, 8]  # both layers of micro-batch 0
@@ -71,17 +73,17 @@ def test_cr_reduction_waits_for_every_model_chunk():
 
 @pytest.mark.parametrize("form", ["per_head", "per_layer_head"])
 @pytest.mark.parametrize("target_cr", [1.5, 3.0])
-def test_head_forms_gradient_is_straight_through_per_head(target_cr, form):
+def test_head_forms_gradient_is_straight_through_per_head(target_cr, form, device):
     """cr_loss=per_head: mean over heads of max(0, 1 - 1/CR - mean hard alpha of the head over all
     layers); per_layer_head: the same per (layer, head). Hard decisions with a straight-through
     gradient; compared with autograd of exactly that."""
     shapes = [(2, 4, 6), (2, 4, 6)]
     tracker = CRLossTracker(num_layers=2, num_heads=4, form=form)
     tracker.target_cr = target_cr
-    alphas = _alphas(3, shapes)
+    alphas = _alphas(3, shapes, device)
     alphas[1].data[:, 0] = 0.9  # head 0 accumulates a lot: its hinge is inactive
     ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
-    weights = torch.randn(2, 4, 6, dtype=torch.float64)
+    weights = torch.randn(2, 4, 6, dtype=torch.float64).to(device)
     tracker.begin_chunk(0)
     wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
     tracker.end_chunk(0)
@@ -103,17 +105,17 @@ def test_head_forms_gradient_is_straight_through_per_head(target_cr, form):
 
 
 @pytest.mark.parametrize("target_cr", [1.5, 3.0])
-def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr):
+def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr, device):
     """cr_loss=released (the authors' form, made layout-independent): per sequence, the mean hard
     decision over all layers, KV heads and tokens; mean of the per-sequence hinges; straight-through.
     Heads are recorded in two TP-like halves to check that the sums are over all of them."""
     tracker = CRLossTracker(num_layers=2, num_heads=4, form="released")
     tracker.target_cr = target_cr
-    alphas = _alphas(4, [(3, 4, 6), (3, 4, 6)])
+    alphas = _alphas(4, [(3, 4, 6), (3, 4, 6)], device)
     for a in alphas:  # sequence 0 keeps every token, sequence 1 merges most of them
         a.data[0], a.data[1] = 0.1, 0.9
     ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
-    weights = torch.randn(3, 4, 6, dtype=torch.float64)
+    weights = torch.randn(3, 4, 6, dtype=torch.float64).to(device)
     tracker.begin_chunk(0)
     wired = [torch.cat([tracker.record(a[:, :2], layer, 0), tracker.record(a[:, 2:], layer, 2)], dim=1)
              for layer, a in enumerate(alphas)]
@@ -131,12 +133,12 @@ def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr):
         assert torch.equal(alphas[0].grad[1], weights[1]) and not torch.equal(alphas[0].grad[0], weights[0])
 
 
-def test_attached_loss_joins_the_backward():
+def test_attached_loss_joins_the_backward(device):
     from dmc_train.models.layer_loss import AttachLoss
 
-    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(4, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64).to(device).requires_grad_()
+    x = torch.randn(4, dtype=torch.float64).to(device).requires_grad_()
+    g = torch.randn(4, dtype=torch.float64).to(device)
     y = AttachLoss.apply(x * w.sum(), (w ** 2).sum(), 0.25)
     torch.testing.assert_close(y, x * w.sum())
     (y * g).sum().backward()
@@ -193,9 +195,9 @@ def test_unknown_method_is_rejected():
     assert "method/dmcc" in one_line(e.value) and "dmc fixed_pooling less none" in one_line(e.value)
 
 
-def _qkv(heads, groups, d=3, hidden=5, seed=0):
+def _qkv(heads, groups, d=3, hidden=5, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(groups * (heads // groups + 2) * d, hidden, generator=gen, dtype=torch.float64)
+    return torch.randn(groups * (heads // groups + 2) * d, hidden, generator=gen, dtype=torch.float64).to(device)
 
 
 def _split(w, heads, groups):
@@ -204,14 +206,14 @@ def _split(w, heads, groups):
     return tuple(list(t) for t in split_qkv(w, heads, groups))
 
 
-def test_gqa_conversion_with_all_groups_is_identity():
-    w = _qkv(8, 8)
+def test_gqa_conversion_with_all_groups_is_identity(device):
+    w = _qkv(8, 8, device=device)
     assert torch.equal(convert_qkv_weight(w, 8, 8, 8), w)
 
 
 @pytest.mark.parametrize("heads, groups_from, groups_to", [(8, 8, 4), (8, 8, 2), (8, 8, 1), (8, 4, 2)])
-def test_gqa_conversion_averages_exactly(heads, groups_from, groups_to):
-    w = _qkv(heads, groups_from)
+def test_gqa_conversion_averages_exactly(heads, groups_from, groups_to, device):
+    w = _qkv(heads, groups_from, device=device)
     q0, k0, v0 = _split(w, heads, groups_from)
     q1, k1, v1 = _split(convert_qkv_weight(w, heads, groups_from, groups_to), heads, groups_to)
     merge = groups_from // groups_to

@@ -22,9 +22,10 @@ from tests.helpers import free_port, run, run_json
 SHAPES = [(8, 8), (8, 4), (8, 2), (8, 1), (4, 2), (6, 3)]  # (heads, groups)
 
 
-def _qkv(heads, groups, d=3, hidden=5, seed=0):
+def _qkv(heads, groups, device, d=3, hidden=5, seed=0):
+    """Drawn on CPU (the same values on every device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(groups * (heads // groups + 2) * d, hidden, generator=gen, dtype=torch.float64)
+    return torch.randn(groups * (heads // groups + 2) * d, hidden, generator=gen, dtype=torch.float64).to(device)
 
 
 def _rows(w, d, row_block):  # rows of the row_block-th block of d rows
@@ -32,8 +33,8 @@ def _rows(w, d, row_block):  # rows of the row_block-th block of d rows
 
 
 @pytest.mark.parametrize("heads, groups", SHAPES)
-def test_by_group_view_is_the_manual_indexing(heads, groups):
-    d, w = 3, _qkv(heads, groups)
+def test_by_group_view_is_the_manual_indexing(heads, groups, device):
+    d, w = 3, _qkv(heads, groups, device)
     per = heads // groups
     view = qkv_by_group(w, heads, groups)
     assert view.shape == (groups, per + 2, d, 5) and view.data_ptr() == w.data_ptr()
@@ -45,9 +46,9 @@ def test_by_group_view_is_the_manual_indexing(heads, groups):
         assert torch.equal(view[g, per + 1], _rows(w, d, base + per + 1))  # value
 
 
-def test_by_group_view_edits_in_place_and_fits_a_tensor_parallel_shard():
+def test_by_group_view_edits_in_place_and_fits_a_tensor_parallel_shard(device):
     heads, groups, tp = 8, 4, 2
-    w = _qkv(heads, groups)
+    w = _qkv(heads, groups, device)
     full = qkv_by_group(w.clone(), heads, groups)
     shard = w[: w.shape[0] // tp]  # rank 0's rows of the column-parallel linear_qkv
     assert torch.equal(qkv_by_group(shard, heads // tp, groups // tp), full[: groups // tp])
@@ -56,8 +57,8 @@ def test_by_group_view_edits_in_place_and_fits_a_tensor_parallel_shard():
 
 
 @pytest.mark.parametrize("heads, groups", SHAPES)
-def test_split_merge_round_trip(heads, groups):
-    d, w = 3, _qkv(heads, groups)
+def test_split_merge_round_trip(heads, groups, device):
+    d, w = 3, _qkv(heads, groups, device)
     q, k, v = split_qkv(w, heads, groups)
     assert q.shape == (heads, d, 5) and k.shape == v.shape == (groups, d, 5)
     view = qkv_by_group(w, heads, groups)
@@ -69,24 +70,24 @@ def test_split_merge_round_trip(heads, groups):
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(merge_qkv(q2, k2, v2), heads, groups), (q2, k2, v2)))
 
 
-def test_qkv_shape_errors():
+def test_qkv_shape_errors(device):
     with pytest.raises(ValueError, match="must divide"):
-        qkv_by_group(_qkv(8, 4), 8, 3)
+        qkv_by_group(_qkv(8, 4, device), 8, 3)
     with pytest.raises(ValueError, match="not \\[16 \\* head_dim, hidden\\]"):
-        qkv_by_group(torch.zeros(25, 5), 8, 4)
+        qkv_by_group(torch.zeros(25, 5, device=device), 8, 4)
     with pytest.raises(ValueError, match="cannot merge"):
-        merge_qkv(torch.zeros(8, 3, 5), torch.zeros(3, 3, 5), torch.zeros(3, 3, 5))
+        merge_qkv(*(torch.zeros(shape, device=device) for shape in ((8, 3, 5), (3, 3, 5), (3, 3, 5))))
 
 
-def test_fc1_split_merge():
-    w = torch.randn(2 * 7, 4)
+def test_fc1_split_merge(device):
+    w = torch.randn(2 * 7, 4).to(device)
     gate, up = split_fc1(w)
     assert torch.equal(gate, w[:7]) and torch.equal(up, w[7:])
     assert torch.equal(merge_fc1(gate, up), w)
     with pytest.raises(ValueError, match="odd number of rows"):
-        split_fc1(torch.zeros(7, 4))
+        split_fc1(torch.zeros(7, 4, device=device))
     with pytest.raises(ValueError, match="differ in shape"):
-        merge_fc1(torch.zeros(7, 4), torch.zeros(6, 4))
+        merge_fc1(torch.zeros(7, 4, device=device), torch.zeros(6, 4, device=device))
 
 
 def test_name_map_is_one_to_one():
@@ -100,7 +101,7 @@ def test_name_map_is_one_to_one():
         hf_names("decoder.layers.0.self_attention.core_attention.weight")
 
 
-def _synthetic_state(heads=8, groups=2, layers=2, d=4, ffn=12, vocab=16):
+def _synthetic_state(device, heads=8, groups=2, layers=2, d=4, ffn=12, vocab=16):
     hidden = heads * d
     sd = {"embedding.word_embeddings.weight": torch.randn(vocab, hidden)}
     for i in range(layers):
@@ -114,27 +115,28 @@ def _synthetic_state(heads=8, groups=2, layers=2, d=4, ffn=12, vocab=16):
                    p + "mlp.linear_fc2.weight": torch.randn(hidden, ffn)})
     sd.update({"decoder.final_layernorm.weight": torch.randn(hidden),
                "output_layer.weight": torch.randn(vocab, hidden)})
-    return sd
+    return {name: t if t is None else t.to(device) for name, t in sd.items()}  # drawn on CPU
 
 
-def test_state_dict_round_trip_and_errors():
-    sd = _synthetic_state()
+def test_state_dict_round_trip_and_errors(device):
+    sd = _synthetic_state(device)
     hf = megatron_to_hf(sd, 8, 2)
     assert hf["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 4, 32)
     assert hf["model.layers.0.mlp.up_proj.weight"].shape == (12, 32)
     storages = [t.untyped_storage().data_ptr() for t in hf.values()]
     assert len(set(storages)) == len(storages)  # safetensors-friendly: no shared storage
-    back = hf_to_megatron({**hf, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(2)}, 8, 2)
+    assert all(t.device.type == device.type for t in hf.values())
+    back = hf_to_megatron({**hf, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(2, device=device)}, 8, 2)
     weights = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
     assert set(back) == set(weights) and all(torch.equal(back[k], weights[k]) for k in weights)
     with pytest.raises(KeyError, match="no megatron name"):
-        hf_to_megatron({**hf, "model.layers.0.self_attn.q_norm.weight": torch.zeros(2)}, 8, 2)
+        hf_to_megatron({**hf, "model.layers.0.self_attn.q_norm.weight": torch.zeros(2, device=device)}, 8, 2)
     with pytest.raises(KeyError, match="needs model.layers.1.mlp.up_proj.weight"):
         hf_to_megatron({k: v for k, v in hf.items() if k != "model.layers.1.mlp.up_proj.weight"}, 8, 2)
     with pytest.raises(ValueError, match="do not fit 8 heads and 4 groups"):
         hf_to_megatron(hf, 8, 4)
     with pytest.raises(KeyError, match="no Hugging Face name"):
-        megatron_to_hf({"decoder.layers.0.self_attention.dmc.weight": torch.zeros(2)}, 8, 2)
+        megatron_to_hf({"decoder.layers.0.self_attention.dmc.weight": torch.zeros(2, device=device)}, 8, 2)
 
 
 @pytest.fixture(scope="module")

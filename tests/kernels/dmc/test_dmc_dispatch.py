@@ -1,25 +1,26 @@
 """The public DMC ops pick the Triton kernels when the backend says so (CUDA, or forced here under the
 interpreter), the PyTorch paths otherwise, with the same results."""
 
-import os
-
 import pytest
 import torch
 
 from kernels import backend
-from kernels.dmc import dmc_attention, partial_accumulation
+from kernels.dmc import _accumulation_impl, dmc_attention, partial_accumulation
+from tests.helpers import TRITON_RUNS
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on CPU")
+pytestmark = pytest.mark.skipif(not TRITON_RUNS, reason="needs a GPU or TRITON_INTERPRET=1 on CPU")
 
 
-def run_ops(name: str):
+def run_ops(name: str, device: torch.device):
     backend.set_backend(name)
     try:
         g = torch.Generator().manual_seed(0)
         k, v = torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
-        q = torch.randn(1, 4, 9, 16, generator=g, requires_grad=True)
+        q = torch.randn(1, 4, 9, 16, generator=g)
         alpha, omega = torch.rand(1, 2, 9, generator=g), torch.rand(1, 2, 9, generator=g) + 0.1
+        k, v, alpha, omega = (x.to(device) for x in (k, v, alpha, omega))
+        q = q.to(device).requires_grad_()
         k_t, v_t = partial_accumulation(k, v, alpha, omega, mode="window", window=3)
         out = dmc_attention(q, k_t, v_t, alpha, free_channel=15)
         (grad,) = torch.autograd.grad(out.sum(), q)
@@ -28,12 +29,15 @@ def run_ops(name: str):
         backend.set_backend("auto")
 
 
-def test_forced_triton_backend_gives_the_pytorch_results():
-    for a, b in zip(run_ops("torch"), run_ops("triton")):
+def test_forced_triton_backend_gives_the_pytorch_results(device):
+    for a, b in zip(run_ops("torch", device), run_ops("triton", device)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_backend_switch_validates():
+def test_backend_switch_validates(device):
     with pytest.raises(ValueError, match="backend must be one of auto, torch, triton"):
         backend.set_backend("cuda")
-    assert not backend.use_triton(torch.device("cpu"))  # auto: PyTorch on CPU tensors
+    # auto: Triton for CUDA tensors (the accumulation's kernels there), the PyTorch paths for CPU tensors
+    on_cuda = device.type == "cuda"
+    assert backend.use_triton(device) == on_cuda
+    assert (_accumulation_impl(device).__name__ == "partial_accumulation_triton") == on_cuda

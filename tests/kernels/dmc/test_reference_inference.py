@@ -1,4 +1,7 @@
-"""Training path with hard decisions == Algorithm 1 (simulate_dmc_inference / DMCHeadCache)."""
+"""Training path with hard decisions == Algorithm 1 (simulate_dmc_inference / DMCHeadCache).
+
+The training ops run on the ``device`` fixture's device; the references (float64, token by token) on CPU,
+from the same CPU draws. The pre-RoPE test checks one reference against another: CPU only."""
 
 import pytest
 import torch
@@ -25,40 +28,45 @@ def _longest_segment(alpha):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_hard_training_equals_inference_simulation(G, seed, impl):
+def test_hard_training_equals_inference_simulation(G, seed, impl, device):
     q, k, v, omega, gen = make_inputs(b=2, hk=2, G=G, n=29, d=8, dv=6, seed=seed)
     alpha = hard_alpha(k.shape[:3], gen)
     alpha[..., 0] = 1  # ignored: the first token always appends
-    expected, lengths = simulate_dmc_inference(q, k, v, alpha, omega)
+    expected, lengths = simulate_dmc_inference(q, k, v, alpha, omega)  # the reference, on CPU
 
-    k_t, v_t = partial_accumulation(k, v, alpha, omega, mode="exact", chunk=8)
-    out = dmc_attention(q, k_t, v_t, alpha, block=8, key_block=8, impl=impl)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    dev = torch.device("cpu") if impl == "fused_cpu" else device  # the fused CPU kernels take CPU tensors only
+    k_t, v_t = partial_accumulation(k.to(dev), v.to(dev), alpha.to(dev), omega.to(dev), mode="exact", chunk=8)
+    out = dmc_attention(q.to(dev), k_t, v_t, alpha.to(dev), block=8, key_block=8, impl=impl)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=0)
 
     a = alpha.clone()
     a[..., 0] = 0
     torch.testing.assert_close(lengths[..., -1], (1 - a).sum(-1).long())  # l = sum_t (1 - alpha_t)
 
 
-def test_window_mode_matches_inference_iff_segments_fit():
+def test_window_mode_matches_inference_iff_segments_fit(device):
     w = 4
     q, k, v, omega, gen = make_inputs(b=2, hk=2, G=2, n=40, seed=3)
     fits = hard_alpha(k.shape[:3], gen, p=0.7, max_segment=w)
     assert _longest_segment(fits) == w
-    expected, _ = simulate_dmc_inference(q, k, v, fits, omega)
-    out = dmc_attention(q, *partial_accumulation(k, v, fits, omega, mode="window", window=w), fits, block=16)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    expected, _ = simulate_dmc_inference(q, k, v, fits, omega)  # the references, on CPU
+    qd, kd, vd, omega_d = (x.to(device) for x in (q, k, v, omega))
+
+    def training(alpha, **accumulation):
+        alpha = alpha.to(device)
+        return dmc_attention(qd, *partial_accumulation(kd, vd, alpha, omega_d, **accumulation), alpha,
+                             block=16).cpu()
+
+    torch.testing.assert_close(training(fits, mode="window", window=w), expected, atol=1e-5, rtol=0)
 
     too_long = fits.clone()
     too_long[0, 0, 10 : 10 + w + 2] = 1  # a segment of at least w + 3 tokens
     expected, _ = simulate_dmc_inference(q, k, v, too_long, omega)
-    out = dmc_attention(q, *partial_accumulation(k, v, too_long, omega, mode="window", window=w), too_long)
-    assert (out - expected).abs().max() > 1e-3
-    exact = dmc_attention(q, *partial_accumulation(k, v, too_long, omega, mode="exact"), too_long)
-    torch.testing.assert_close(exact, expected, atol=1e-5, rtol=0)
+    assert (training(too_long, mode="window", window=w) - expected).abs().max() > 1e-3
+    torch.testing.assert_close(training(too_long, mode="exact"), expected, atol=1e-5, rtol=0)
 
 
-def test_paper_worked_example_cache_growth():
+def test_paper_worked_example_cache_growth(device):
     """alphas (a1..a5) = (1, 1, 0, 1, 0): [k0] -> [k01] -> [k012] -> [k012, k3] -> [k012, k34] -> [k012, k34, k5]."""
     q, k, v, omega, _ = make_inputs(b=1, hk=1, n=6, d=4, seed=5)
     alpha = torch.tensor([[[0.0, 1, 1, 0, 1, 0]]])
@@ -82,7 +90,7 @@ def test_paper_worked_example_cache_growth():
     for got, other in zip(final.keys, cache.keys):
         torch.testing.assert_close(got, other)
     # The training states at the ends of the segments (2, 4, 5) are the final cache slots.
-    k_t, v_t = partial_accumulation(k, v, alpha, omega)
+    k_t, v_t = (x.cpu() for x in partial_accumulation(k.to(device), v.to(device), alpha.to(device), omega.to(device)))
     torch.testing.assert_close(k_t[0, 0, [2, 4, 5]].double(), torch.stack(final.keys), atol=1e-6, rtol=0)
     torch.testing.assert_close(v_t[0, 0, [2, 4, 5]].double(), torch.stack(final.values), atol=1e-6, rtol=0)
 

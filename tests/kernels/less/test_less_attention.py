@@ -6,7 +6,8 @@ import torch
 from kernels.less import EPS, eviction_masks, less_attention, less_combine
 
 
-def case(b=2, h=4, hk=2, n=24, d=8, r=3, seed=0):
+def case(device, b=2, h=4, hk=2, n=24, d=8, r=3, seed=0):
+    """Drawn on CPU (the same values on every device), then moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, x, n, d, generator=g, dtype=torch.float64) for x in (h, hk, hk))
     phi_q, phi_k = torch.rand(b, h, n, r, generator=g, dtype=torch.float64), torch.rand(b, hk, n, r, generator=g,
@@ -15,7 +16,7 @@ def case(b=2, h=4, hk=2, n=24, d=8, r=3, seed=0):
     evicted_at = torch.randint(3, n + 4, (b, hk, n), generator=g)
     evicted_at = torch.where(evicted_at > torch.arange(n), evicted_at, -1)
     evicted_at[evicted_at >= n] = -1
-    return q, k, v, phi_q, phi_k, evicted_at
+    return tuple(x.to(device) for x in (q, k, v, phi_q, phi_k, evicted_at))
 
 
 def eq3(q, k, v, phi_q, phi_k, evicted_at, scale):
@@ -39,15 +40,17 @@ def eq3(q, k, v, phi_q, phi_k, evicted_at, scale):
     return out
 
 
-def test_parallel_form_is_eq3():
-    q, k, v, phi_q, phi_k, evicted_at = case()
-    visible, evicted = eviction_masks(evicted_at)
+def test_parallel_form_is_eq3(device):
+    inputs = case(device)
+    visible, evicted = eviction_masks(inputs[-1])
+    q, k, v, phi_q, phi_k, _ = inputs
     got = less_attention(q, k, v, visible, evicted, phi_q, phi_k, 0.35)
-    torch.testing.assert_close(got, eq3(q, k, v, phi_q, phi_k, evicted_at, 0.35).to(got.dtype), rtol=1e-5, atol=1e-6)
+    want = eq3(*(x.cpu() for x in inputs), 0.35)  # the per-query loops on CPU
+    torch.testing.assert_close(got.cpu(), want.to(got.dtype), rtol=1e-5, atol=1e-6)
 
 
-def test_an_empty_state_is_the_policys_attention_within_the_clamp_bound():
-    q, k, v, phi_q, _, evicted_at = case(seed=1)
+def test_an_empty_state_is_the_policys_attention_within_the_clamp_bound(device):
+    q, k, v, phi_q, _, evicted_at = case(device, seed=1)
     visible, evicted = eviction_masks(evicted_at)
     got = less_attention(q, k, v, visible, evicted, phi_q, torch.zeros_like(phi_q[:, :2]), 0.35).double()
     g = q.shape[1] // k.shape[1]
@@ -58,12 +61,12 @@ def test_an_empty_state_is_the_policys_attention_within_the_clamp_bound():
     assert ((got - sparse).abs() <= bound * 1.01 + 1e-7).all()
 
 
-def test_the_decode_step_combination_equals_the_parallel_form():
-    q, k, v, phi_q, phi_k, evicted_at = case(seed=2)
+def test_the_decode_step_combination_equals_the_parallel_form(device):
+    q, k, v, phi_q, phi_k, evicted_at = case(device, seed=2)
     visible, evicted = eviction_masks(evicted_at)
     want = less_attention(q, k, v, visible, evicted, phi_q, phi_k, 0.35)
     g, t = 2, 20
-    kv = torch.arange(q.shape[1]) // g
+    kv = torch.arange(q.shape[1], device=device) // g
     keep, gone = visible[:, kv, t], evicted[:, kv, t]  # [b, H, n]
     logits = (torch.einsum("bhd,bhnd->bhn", q[:, :, t], k[:, kv]) * 0.35).masked_fill(~keep, float("-inf"))
     sparse = torch.einsum("bhn,bhnd->bhd", torch.softmax(logits, -1), v[:, kv])
