@@ -1,4 +1,7 @@
-"""partial_accumulation (Eq. 9) against the token loop: values, gradients, dtypes, the chunked scans."""
+"""partial_accumulation (Eq. 9) against the token loop: values, gradients, dtypes, the chunked scans.
+
+Inputs are drawn on CPU and moved to the ``device`` fixture's device (on a GPU the public op runs the
+Triton kernels); the token loop runs on CPU."""
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from kernels.dmc import partial_accumulation, reference_partial_accumulation
      ("window", {"window": 5}), ("window", {"window": 100})],
 )
 @pytest.mark.parametrize("alpha_kind", ["soft", "hard", "near_one"])
-def test_partial_accumulation_matches_loop(mode, kwargs, alpha_kind):
+def test_partial_accumulation_matches_loop(device, mode, kwargs, alpha_kind):
     _, k, v, omega, gen = make_inputs(b=2, hk=2, n=23, d=4, dv=3, dtype=torch.float64, seed=8)
     if alpha_kind == "soft":
         alpha = torch.rand(k.shape[:3], generator=gen, dtype=torch.float64) * 0.98 + 0.01
@@ -21,24 +24,27 @@ def test_partial_accumulation_matches_loop(mode, kwargs, alpha_kind):
         alpha = hard_alpha(k.shape[:3], gen).double()
     else:
         alpha = 1 - torch.rand(k.shape[:3], generator=gen, dtype=torch.float64) * 1e-3
-    inputs = [t.clone().requires_grad_() for t in (k, v, alpha, omega)]
+    inputs = [t.to(device, copy=True).requires_grad_() for t in (k, v, alpha, omega)]
+    ref_inputs = [t.clone().requires_grad_() for t in (k, v, alpha, omega)]
     got = partial_accumulation(*inputs, mode=mode, **kwargs)
-    ref = reference_partial_accumulation(*inputs, window=kwargs.get("window"))
+    ref = reference_partial_accumulation(*ref_inputs, window=kwargs.get("window"))
     for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b)
-    for name, a, b in zip("k v alpha omega".split(), random_vjp(got, inputs), random_vjp(ref, inputs)):
+        torch.testing.assert_close(a.cpu(), b)
+    got_grads = [g.cpu() for g in random_vjp([o.cpu() for o in got], inputs)]
+    for name, a, b in zip("k v alpha omega".split(), got_grads, random_vjp(ref, ref_inputs)):
         torch.testing.assert_close(a, b, msg=lambda m: f"d/d{name}: {m}")
         if name == "alpha":
             assert (a[..., 0] == 0).all()  # alpha_0 is forced to 0
 
 
-def test_partial_accumulation_fp32_and_dtypes():
+def test_partial_accumulation_fp32_and_dtypes(device):
     _, k, v, omega, gen = make_inputs(b=1, hk=2, n=300, d=8, seed=9)
     alpha = torch.rand(k.shape[:3], generator=gen)
     ref = reference_partial_accumulation(k.double(), v.double(), alpha.double(), omega.double())
+    k, v, alpha, omega = (t.to(device) for t in (k, v, alpha, omega))
     got = partial_accumulation(k, v, alpha, omega, chunk=16)  # three levels of chunking
     assert got[0].dtype == torch.float32
-    torch.testing.assert_close(got[0].double(), ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0].cpu().double(), ref[0], atol=1e-5, rtol=1e-5)
     for mode in ("exact", "window"):
         inputs = [t.bfloat16().requires_grad_() for t in (k, v, alpha, omega)]
         bf = partial_accumulation(*inputs, mode=mode)
@@ -49,7 +55,7 @@ def test_partial_accumulation_fp32_and_dtypes():
 
 
 @pytest.mark.parametrize("n, chunk", [(1, 4), (7, 8), (37, 4), (100, 3), (64, 8), (300, 16)])
-def test_chunked_scans_match_loops(n, chunk):
+def test_chunked_scans_match_loops(device, n, chunk):
     """The exact-mode scan and its adjoint (several levels of chunking, hard 0 / 1 gates included)."""
     from kernels.dmc.accumulation import _linear_scan, _linear_scan_reverse
 
@@ -67,22 +73,24 @@ def test_chunked_scans_match_loops(n, chunk):
     for i in reversed(range(n)):  # g_i = x_i + a_{i+1} g_{i+1}
         g = x[:, i] + (a[:, i + 1, None] * g if i + 1 < n else 0)
         rev[:, i] = g
-    torch.testing.assert_close(_linear_scan(a, x, chunk), fwd)
-    torch.testing.assert_close(_linear_scan_reverse(a, x, chunk), rev)
+    a, x = a.to(device), x.to(device)
+    torch.testing.assert_close(_linear_scan(a, x, chunk).cpu(), fwd)
+    torch.testing.assert_close(_linear_scan_reverse(a, x, chunk).cpu(), rev)
 
 
-def test_partial_accumulation_gradcheck():
+def test_partial_accumulation_gradcheck(device):
     _, k, v, omega, gen = make_inputs(b=1, hk=2, n=7, d=3, dv=2, dtype=torch.float64, seed=10)
     alpha = torch.rand(k.shape[:3], generator=gen, dtype=torch.float64) * 0.9 + 0.05
-    inputs = [t.clone().requires_grad_() for t in (k, v, alpha, omega)]
+    inputs = [t.to(device, copy=True).requires_grad_() for t in (k, v, alpha, omega)]
     assert torch.autograd.gradcheck(lambda *x: partial_accumulation(*x, mode="exact", chunk=2), inputs)
     assert torch.autograd.gradcheck(lambda *x: partial_accumulation(*x, mode="window", window=3), inputs)
 
 
-def test_window_and_exact_agree_iff_segments_fit():
+def test_window_and_exact_agree_iff_segments_fit(device):
     w = 5
     _, k, v, omega, gen = make_inputs(b=2, hk=3, n=50, seed=4)
     fits = hard_alpha(k.shape[:3], gen, p=0.75, max_segment=w)
+    k, v, omega, fits = (t.to(device) for t in (k, v, omega, fits))
     for a, b in zip(
         partial_accumulation(k, v, fits, omega, mode="window", window=w),
         partial_accumulation(k, v, fits, omega, mode="exact", chunk=16),
