@@ -221,16 +221,17 @@ def initialize(layout_tp: int, layout_pp: int, layout_vpp: int | None, seed: int
         check_gpus(env)
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        timeout = datetime.timedelta(minutes=timeout_minutes)
+        on_gpu = torch.cuda.is_available()
+        group = {"backend": "nccl" if on_gpu else "gloo", "timeout": datetime.timedelta(minutes=timeout_minutes),
+                 "device_id": device() if on_gpu else None}
         if env.world_size == 1:
             # an in-memory store: a TCP one needs a port, which another process can take between choosing and
             # binding it (EADDRINUSE), and setting MASTER_PORT would leak into child processes
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **group)
         else:
             os.environ.setdefault("MASTER_ADDR", env.master_addr)
             os.environ.setdefault("MASTER_PORT", str(env.master_port))
-            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            dist.init_process_group(rank=env.rank, world_size=env.world_size, **group)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -58,15 +58,23 @@ def _batch_first(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.view(h, b, n, y.shape[-1]).transpose(0, 1)
 
 
+def _fp32(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The kernels' weights in fp32 (differentiable casts: a bf16 / fp16 model's weights get their gradients)."""
+    return {name: t.float() for name, t in w.items()}
+
+
 def phi_q(q: torch.Tensor, w: dict[str, torch.Tensor], dropout: float = 0.0, training: bool = False):
-    """``|s(s(q W_q1 + b_q1) W_q2 + b_q2)|``: ``q [b, H, n, d]`` -> ``[b, H, n, r]`` (fp32)."""
+    """``|s(s(q W_q1 + b_q1) W_q2 + b_q2)|``: ``q [b, H, n, d]`` -> ``[b, H, n, r]`` (fp32, whatever the dtypes of
+    ``q`` and the weights)."""
+    w = _fp32(w)
     features = _mlp(_heads_first(q.float()), w["q1"], w["q1_bias"], w["q2"], w["q2_bias"], dropout, training)
     return _batch_first(features.abs(), q)
 
 
 def phi_k(k: torch.Tensor, w: dict[str, torch.Tensor], dropout: float = 0.0, training: bool = False):
     """``|k~ + (k~ W_int) * D2|`` with ``k~ = |D1| * s(s(k W_k1 + b_k1) W_k2 + b_k2)``: ``k [b, H_kv, n, d]`` ->
-    ``[b, H_kv, n, r]`` (fp32)."""
+    ``[b, H_kv, n, r]`` (fp32, whatever the dtypes of ``k`` and the weights)."""
+    w = _fp32(w)
     k_t = w["d1"].abs()[:, None] * _mlp(_heads_first(k.float()), w["k1"], w["k1_bias"], w["k2"], w["k2_bias"],
                                         dropout, training)  # [H_kv, b * n, r]
     return _batch_first((k_t + _per_head(k_t, w["k_int"]) * w["d2"][:, None]).abs(), k)
