@@ -69,6 +69,7 @@ class FusedOps:
     backward: Callable
     kernel_dtype: Callable[[torch.dtype], torch.dtype]
     width_multiple: int = 1
+    compiled: bool = False  # the element-wise stages around the kernels through torch.compile
 
 
 def _cpu_forward(q, k, v):
@@ -101,9 +102,9 @@ def _cudnn_forward(q, k, v):
 
 def _cudnn_backward(do, q, k, v, out, lse, extras):
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = extras
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        do, q, k, v, out, lse.reshape(lse_shape), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True,
-        scale=1.0)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(  # cuDNN wants out laid out like do
+        do, q, k, v, out.contiguous(), lse.reshape(lse_shape), seed, offset, None, cum_q, cum_k, max_q, max_k,
+        0.0, True, scale=1.0)
 
 
 def _efficient_forward(q, k, v):
@@ -127,9 +128,9 @@ def _cpu_kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 CPU_FLASH = FusedOps("cpu_flash", _cpu_forward, _cpu_backward, _cpu_kernel_dtype)
-CUDA_FLASH = FusedOps("flash", _flash_forward, _flash_backward, lambda dtype: dtype, 8)
-CUDA_CUDNN = FusedOps("cudnn", _cudnn_forward, _cudnn_backward, lambda dtype: dtype, 8)
-CUDA_EFFICIENT = FusedOps("efficient", _efficient_forward, _efficient_backward, lambda dtype: dtype, 8)
+CUDA_FLASH = FusedOps("flash", _flash_forward, _flash_backward, lambda dtype: dtype, 8, True)
+CUDA_CUDNN = FusedOps("cudnn", _cudnn_forward, _cudnn_backward, lambda dtype: dtype, 8, True)
+CUDA_EFFICIENT = FusedOps("efficient", _efficient_forward, _efficient_backward, lambda dtype: dtype, 8, True)
 
 
 @functools.cache
@@ -143,13 +144,15 @@ def fused_cpu_available() -> bool:
 
 
 def fused_ops(device: torch.device, dtype: torch.dtype) -> FusedOps | None:
-    """The fused kernels for inputs on ``device`` of ``dtype``: CPU flash on CPU; on CUDA FlashAttention-2 for
-    bf16 / fp16 and the memory-efficient kernel for fp32; None where none fits (fp64 on CUDA, other devices)."""
+    """The fused kernels for inputs on ``device`` of ``dtype``: CPU flash on CPU; on CUDA for bf16 / fp16 cuDNN's
+    on Hopper and newer (1.3-1.4x faster than FlashAttention-2 there, benchmarks/gpu_train.py), FlashAttention-2
+    before, and the memory-efficient kernel for fp32; None where none fits (fp64 on CUDA, other devices)."""
     if device.type == "cpu":
         return CPU_FLASH if fused_cpu_available() else None
     if device.type == "cuda":
         if dtype in (torch.bfloat16, torch.float16):
-            return CUDA_FLASH
+            hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+            return CUDA_CUDNN if hopper and torch.backends.cudnn.is_available() else CUDA_FLASH
         return CUDA_EFFICIENT if dtype == torch.float32 else None
     return None
 
@@ -199,30 +202,82 @@ def _scaled_queries(q, scale, free_channel, wd):
     return qs
 
 
-def _diagonal_scores(q, k, scale, free_channel, wd):
-    """``s_ii = scale * q_i . k~_i`` per query head, ``[b, hq, n]``."""
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
-    qs = _scaled_queries(q, scale, free_channel, wd)
-    return (qs.view(b, hk, hq // hk, n, d) * k.to(wd).unsqueeze(2)).sum(-1).view(b, hq, n)
-
-
 def _group_sum(x: torch.Tensor, hk: int) -> torch.Tensor:
     """``[b, hq, ...] -> [b, hk, ...]``: sum over the query heads of each KV group."""
     b, hq = x.shape[:2]
     return x.view(b, hk, hq // hk, *x.shape[2:]).sum(2) if hq != hk else x
 
 
-def _past_backward(ops, extras, q, k, v, alpha, scale, free_channel, bias_floor, do, out, lse):
-    """Fused backward of the past part; returns ``dq', dk', dv'`` (per query head, width W) and the
-    bias channel index."""
-    kd = out.dtype
-    q_ext, k_ext, v_ext, c = _kernel_inputs(q, k, v, alpha, scale, free_channel, bias_floor, kd, ops.width_multiple)
-    pad = q_ext.shape[-1] - do.shape[-1]
-    if pad:
-        do, out = F.pad(do, (0, pad)), F.pad(out, (0, pad))
-    grads = ops.backward(do, q_ext, k_ext, v_ext, out, lse, extras)
-    return (*grads, c)
+def _merge(out_past, lse_past, q, k, v, scale, free_channel):
+    """The diagonal merged with the past part: ``out [b, hq, n, dv]`` (laid out like q, in the kernel's dtype),
+    ``lse`` and the diagonal scores ``s_diag [b, hq, n]`` (work dtype)."""
+    b, hq, n, d = q.shape
+    hk, dv = k.shape[1], v.shape[-1]
+    G = hq // hk
+    wd = work_dtype(q)
+    qs = _scaled_queries(q, scale, free_channel, wd)
+    s_diag = (qs.view(b, hk, G, n, d) * k.to(wd).unsqueeze(2)).sum(-1).view(b, hq, n)
+    lse = torch.logaddexp(lse_past.to(wd), s_diag)
+    w_past = (lse_past - lse).exp_().unsqueeze(-1)
+    w_diag = (s_diag - lse).exp_()
+    out = torch.mul(out_past[..., :dv], w_past, out=empty_in_layout_of(q, dv, wd))
+    out.view(b, hk, G, n, dv).addcmul_(w_diag.view(b, hk, G, n, 1), v.to(wd).unsqueeze(2))
+    return out.to(out_past.dtype), lse.to(lse_past.dtype), s_diag
+
+
+def _finish_backward(dq_ext, dk_ext, dv_ext, q, k, v, alpha, do, out, lse, s_diag, scale, free_channel, c, floor):
+    """dq, dk, dv, dalpha (in the inputs' dtypes) from the kernel's gradients of the past part (``dk_ext`` /
+    ``dv_ext`` per query head) and the diagonal's, which are element-wise."""
+    b, hq, n, d = q.shape
+    hk, dv = k.shape[1], v.shape[-1]
+    G = hq // hk
+    wd = s_diag.dtype
+    dk_ext, dv_ext = _group_sum(dk_ext.to(wd), hk), _group_sum(dv_ext.to(wd), hk)
+    # Slot j' = j + 1 holds key j. The kernel saw exp(clamped bias) instead of the gate g: rescale
+    # per key (1 for ordinary keys, 0 for alpha = 1) and turn d bias into dL/dg = e^-bias d bias.
+    a = alpha.to(wd)[..., 1:]
+    raw_bias = torch.log1p(-a)
+    ordinary = raw_bias >= floor  # the kernel saw the true bias
+    rescale = math.exp(-floor) if floor == _BIAS_FLOOR_BACKWARD else 0.0  # NEG_BIG: weight was 0
+    key_scale = torch.where(ordinary, torch.ones_like(a), (1.0 - a) * rescale)
+    grad_scale = torch.where(ordinary, torch.exp(-raw_bias.clamp_min(floor)), torch.full_like(a, rescale))
+    dk = torch.zeros(b, hk, n, d, dtype=wd, device=q.device)
+    dvv = torch.zeros(b, hk, n, dv, dtype=wd, device=q.device)
+    dk[:, :, :-1] = dk_ext[:, :, 1:, :d] * key_scale.unsqueeze(-1)
+    dvv[:, :, :-1] = dv_ext[:, :, 1:, :dv] * key_scale.unsqueeze(-1)
+    dalpha = torch.zeros(b, hk, n, dtype=wd, device=q.device)
+    dalpha[..., 1:] = -grad_scale * dk_ext[:, :, 1:, c]
+
+    # Diagonal: P_ii = exp(s_ii - lse_i), dS_ii = P_ii (<dO_i, v~_i> - D_i).
+    do, out = do.to(wd), out.to(wd)
+    qs = _scaled_queries(q, scale, free_channel, wd)
+    p_diag = (s_diag - lse).exp_()
+    vw = v.to(wd).unsqueeze(2)
+    dp_diag = (do.view(b, hk, G, n, dv) * vw).sum(-1).view(b, hq, n)
+    ds_diag = p_diag * (dp_diag - (do * out).sum(-1))
+    kw = k.to(wd)
+    if free_channel is not None:
+        kw = kw.clone()
+        kw[..., free_channel] = 0
+    dq = dq_ext[..., :d].to(wd)  # ours to modify
+    dq.view(b, hk, G, n, d).addcmul_(ds_diag.view(b, hk, G, n, 1), kw.unsqueeze(2))
+    dq.mul_(scale)
+    dk += _group_sum(ds_diag.unsqueeze(-1) * qs, hk)
+    dvv += _group_sum(p_diag.unsqueeze(-1) * do, hk)
+    if free_channel is not None:  # the channel takes no part in attention
+        dq[..., free_channel] = 0
+        dk[..., free_channel] = 0
+    return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dalpha.to(alpha.dtype)
+
+
+@functools.cache
+def _stages(compiled: bool) -> tuple[Callable, Callable, Callable]:
+    """The element-wise stages around the kernels (inputs, merge, backward's finish): as written, or fused by
+    ``torch.compile`` (CUDA: each stage is many passes over ``[b, h, n, d]`` tensors otherwise)."""
+    stages = (_kernel_inputs, _merge, _finish_backward)
+    if not compiled:
+        return stages
+    return tuple(torch.compile(f, dynamic=False) for f in stages)
 
 
 class FusedDMCAttention(torch.autograd.Function):
@@ -232,23 +287,14 @@ class FusedDMCAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, alpha, scale, free_channel, ops):
-        b, hq, n, d = q.shape
-        hk, dv = k.shape[1], v.shape[-1]
-        G = hq // hk
-        wd, kd = work_dtype(q), ops.kernel_dtype(q.dtype)
-        q_ext, k_ext, v_ext, _ = _kernel_inputs(q, k, v, alpha, scale, free_channel, NEG_BIG, kd,
-                                                ops.width_multiple)
+        prepare, merge, _ = _stages(ops.compiled)
+        kd = ops.kernel_dtype(q.dtype)
+        q_ext, k_ext, v_ext, _ = prepare(q, k, v, alpha, scale, free_channel, NEG_BIG, kd, ops.width_multiple)
         out_past, lse_past, extras = ops.forward(q_ext, k_ext, v_ext)
         del q_ext, k_ext, v_ext
-        s_diag = _diagonal_scores(q, k, scale, free_channel, wd)
-        lse = torch.logaddexp(lse_past.to(wd), s_diag)
-        w_past = (lse_past - lse).exp_().unsqueeze(-1)
-        w_diag = (s_diag - lse).exp_()
-        out = torch.mul(out_past[..., :dv], w_past, out=empty_in_layout_of(q, dv, wd))
-        out.view(b, hk, G, n, dv).addcmul_(w_diag.view(b, hk, G, n, 1), v.to(wd).unsqueeze(2))
-        out = out.to(kd)  # what the kernel's backward reads (and, for bf16 / fp16 inputs, what is returned)
-
-        ctx.save_for_backward(q, k, v, alpha, out, lse.to(lse_past.dtype), s_diag)
+        # out: what the kernel's backward reads (and, for bf16 / fp16 inputs, what is returned)
+        out, lse, s_diag = merge(out_past, lse_past, q, k, v, scale, free_channel)
+        ctx.save_for_backward(q, k, v, alpha, out, lse, s_diag)
         ctx.scale, ctx.free_channel, ctx.ops, ctx.extras = scale, free_channel, ops, extras
         return out.to(q.dtype)
 
@@ -257,54 +303,23 @@ class FusedDMCAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, alpha, out, lse, s_diag = ctx.saved_tensors
         scale, free_channel, ops = ctx.scale, ctx.free_channel, ctx.ops
-        b, hq, n, d = q.shape
-        hk, dv = k.shape[1], v.shape[-1]
-        G = hq // hk
-        wd = s_diag.dtype
-
-        # Past part: the fused backward with the merged out / lse.
+        prepare, _, finish = _stages(ops.compiled)
         do = grad_out.to(out.dtype).contiguous()
+
+        def past_backward(floor):
+            """The fused backward of the past part with the merged out / lse: dq', dk', dv' per query head."""
+            q_ext, k_ext, v_ext, c = prepare(q, k, v, alpha, scale, free_channel, floor, out.dtype,
+                                             ops.width_multiple)
+            pad = q_ext.shape[-1] - do.shape[-1]
+            do_, out_ = (F.pad(do, (0, pad)), F.pad(out, (0, pad))) if pad else (do, out)
+            return (*ops.backward(do_, q_ext, k_ext, v_ext, out_, lse, ctx.extras), c)
+
         floor = _BIAS_FLOOR_BACKWARD
-        args = (q, k, v, alpha, scale, free_channel)
-        dq_ext, dk_ext, dv_ext, c = _past_backward(ops, ctx.extras, *args, floor, do, out, lse)
-        if not (torch.isfinite(dq_ext.sum()) and torch.isfinite(dv_ext.sum())):  # overflow shows in both
+        dq_ext, dk_ext, dv_ext, c = past_backward(floor)
+        if not torch.isfinite(dq_ext.sum() + dv_ext.sum()):  # an overflow shows in both
             # exp(s - lse - 60) overflowed: an invisible key outscores its row by > 148 nats. Redo
             # with invisible keys at weight 0 (their alpha-gradient is then 0 in this call).
             floor = NEG_BIG
-            dq_ext, dk_ext, dv_ext, c = _past_backward(ops, ctx.extras, *args, floor, do, out, lse)
-        dk_ext, dv_ext = _group_sum(dk_ext.to(wd), hk), _group_sum(dv_ext.to(wd), hk)
-        # Slot j' = j + 1 holds key j. The kernel saw exp(clamped bias) instead of the gate g: rescale
-        # per key (1 for ordinary keys, 0 for alpha = 1) and turn d bias into dL/dg = e^-bias d bias.
-        a = alpha.to(wd)[..., 1:]
-        raw_bias = torch.log1p(-a)
-        ordinary = raw_bias >= floor  # the kernel saw the true bias
-        rescale = math.exp(-floor) if floor == _BIAS_FLOOR_BACKWARD else 0.0  # NEG_BIG: weight was 0
-        key_scale = torch.where(ordinary, torch.ones_like(a), (1.0 - a) * rescale)
-        grad_scale = torch.where(ordinary, torch.exp(-raw_bias.clamp_min(floor)), torch.full_like(a, rescale))
-        dk = torch.zeros(b, hk, n, d, dtype=wd, device=q.device)
-        dvv = torch.zeros(b, hk, n, dv, dtype=wd, device=q.device)
-        dk[:, :, :-1] = dk_ext[:, :, 1:, :d] * key_scale.unsqueeze(-1)
-        dvv[:, :, :-1] = dv_ext[:, :, 1:, :dv] * key_scale.unsqueeze(-1)
-        dalpha = torch.zeros(b, hk, n, dtype=wd, device=q.device)
-        dalpha[..., 1:] = -grad_scale * dk_ext[:, :, 1:, c]
-
-        # Diagonal: P_ii = exp(s_ii - lse_i), dS_ii = P_ii (<dO_i, v~_i> - D_i).
-        do, out = do.to(wd), out.to(wd)
-        qs = _scaled_queries(q, scale, free_channel, wd)
-        p_diag = (s_diag - lse).exp_()
-        vw = v.to(wd).unsqueeze(2)
-        dp_diag = (do.view(b, hk, G, n, dv) * vw).sum(-1).view(b, hq, n)
-        ds_diag = p_diag * (dp_diag - (do * out).sum(-1))
-        kw = k.to(wd)
-        if free_channel is not None:
-            kw = kw.clone()
-            kw[..., free_channel] = 0
-        dq = dq_ext[..., :d].to(wd)  # ours to modify
-        dq.view(b, hk, G, n, d).addcmul_(ds_diag.view(b, hk, G, n, 1), kw.unsqueeze(2))
-        dq.mul_(scale)
-        dk += _group_sum(ds_diag.unsqueeze(-1) * qs, hk)
-        dvv += _group_sum(p_diag.unsqueeze(-1) * do, hk)
-        if free_channel is not None:  # the channel takes no part in attention
-            dq[..., free_channel] = 0
-            dk[..., free_channel] = 0
-        return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dalpha.to(alpha.dtype), None, None, None
+            dq_ext, dk_ext, dv_ext, c = past_backward(floor)
+        return (*finish(dq_ext, dk_ext, dv_ext, q, k, v, alpha, do, out, lse, s_diag, scale, free_channel, c, floor),
+                None, None, None)

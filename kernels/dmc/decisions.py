@@ -41,15 +41,16 @@ def group_mean(query_channel: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 
 def gumbel_difference(shape: tuple, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """``g1 - g2`` with g1, g2 ~ Gumbel(0, 1) i.i.d., fp32 on the CPU generator (layout-independent)."""
-    u = torch.rand((2, *shape), generator=generator, dtype=torch.float32).clamp_(1e-10, 1 - 1e-7)
+    """``g1 - g2`` with g1, g2 ~ Gumbel(0, 1) i.i.d., fp32, drawn on ``generator``'s device (CPU without one)."""
+    device = generator.device if generator is not None else None
+    u = torch.rand((2, *shape), generator=generator, dtype=torch.float32, device=device).clamp_(1e-10, 1 - 1e-7)
     g = -torch.log(-torch.log(u))
     return g[0] - g[1]
 
 
 def relaxed_alpha(logit: torch.Tensor, noise: torch.Tensor, tau: float) -> torch.Tensor:
     """Training: the Gumbel-sigmoid ``sigmoid((logit + g1 - g2) / tau)`` (Eq. 8)."""
-    return torch.sigmoid((logit + noise.to(logit.device)) / tau)
+    return torch.sigmoid((logit + noise) / tau)
 
 
 def hard_alpha(logit: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:

@@ -161,18 +161,19 @@ class DMCSelfAttention(SelfAttention):
             return decisions.hard_alpha(logit, self.dmc.settings.decision_threshold)
         # Noise for all KV heads of the layer, so every TP layout sees the same values.
         noise = decisions.gumbel_difference((*logit.shape[:2], self.config.num_query_groups),
-                                            self._noise_generator())
+                                            self._noise_generator(logit.device))
         lo = self.head_offset
         noise = noise[..., :1].expand_as(logit) if shared_noise else noise[..., lo: lo + logit.shape[-1]]
         return decisions.relaxed_alpha(logit, noise, self.dmc.settings.tau)
 
-    def _noise_generator(self) -> torch.Generator:
-        """Seeded by (seed, step, data-parallel rank, micro-batch, layer): layout-independent, resumable."""
+    def _noise_generator(self, device: torch.device) -> torch.Generator:
+        """A generator on ``device`` seeded by (seed, step, data-parallel rank, micro-batch, layer): the noise is
+        layout-independent and resumable (the same on every layout of one kind of device)."""
         st = self.dmc
         seed = st.noise_seed
         for part in (st.step, st.dp_rank, st.tracker.active if st.tracker is not None else 0, self.layer_number):
             seed = (seed * 1_000_003 + part) % (2 ** 63)
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator(device=device).manual_seed(seed)
 
 
 def _mean_over_heads(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
