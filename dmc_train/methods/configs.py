@@ -28,7 +28,7 @@ class NoMethodConfig:
 
 DECISION_CHANNELS = ("last", "first")
 ACCUMULATIONS = ("exact", "window")
-ATTENTION_IMPLS = ("auto", "fused", "blocked", "triton")
+ATTENTION_IMPLS = ("auto", "fused", "blocked")
 CR_LOSS_FORMS = ("paper", "released", "per_head", "per_layer_head")
 DMC_VARIANTS = ("dmc", "c", "hardc")
 ROPE_ORDERS = ("post", "pre")
@@ -47,7 +47,7 @@ class DMCConfig:
     tau: float = 0.1  # Gumbel-sigmoid temperature in training
     accumulation: str = "exact"  # exact (full recurrence = inference) | window (paper, w tokens)
     window: int = 12
-    attention_impl: str = "auto"  # auto | fused | blocked | triton (kernels.dmc.dmc_attention)
+    attention_impl: str = "auto"  # auto | fused | blocked (kernels.dmc.dmc_attention)
     cr_loss: str = "paper"  # paper (Eq. 10, soft) | released (hard, ST, hinge per sequence) | per_head | per_layer_head
     variant: str = "dmc"  # dmc | c (DMC-C: Eq. 13 constraint) | hardc (decisions shared per layer)
     rope_order: str = "post"  # post: accumulate RoPE-rotated keys | pre (released code): raw keys, k~_t rotated at t

@@ -10,13 +10,13 @@ Public ops (validate their inputs, then dispatch by device in one place, ``_accu
 - :func:`partial_accumulation`: Eq. 9, ``exact`` (chunked parallel scan) or ``window``.
 - :func:`dmc_attention`: the Fig. 3 bias in O(n) memory, custom autograd.
 
-Implementations: the Triton kernels (``accumulation_triton.py``, ``attention_triton.py``) for CUDA
-tensors when Triton is installed (:mod:`kernels.backend`; ``DMC_KERNELS=torch|triton`` forces one
-side, Triton on CPU tensors under ``TRITON_INTERPRET=1``); otherwise the PyTorch paths:
-``accumulation.py``. Attention runs PyTorch's fused flash kernels (``attention_fused.py``: CPU flash on CPU,
-FlashAttention-2 / the memory-efficient kernel on CUDA) wherever they take the inputs, else the portable
-blocked version (``attention_blocked.py``). The Triton modules are imported on
-first use (Triton decides compiled vs interpreted when a kernel is defined).
+Implementations. Accumulation: the Triton kernels (``accumulation_triton.py``) for CUDA tensors when Triton
+is installed (:mod:`kernels.backend`; ``DMC_KERNELS=torch|triton`` forces one side, Triton on CPU tensors
+under ``TRITON_INTERPRET=1``), otherwise the PyTorch scan (``accumulation.py``); the Triton module is
+imported on first use (Triton decides compiled vs interpreted when a kernel is defined). Attention:
+PyTorch's fused flash kernels (``attention_fused.py``: CPU flash on CPU; cuDNN / FlashAttention-2 / the
+memory-efficient kernel on CUDA) wherever they take the inputs, else the portable blocked version
+(``attention_blocked.py``).
 
 References (``reference.py``, re-exported here): :func:`reference_partial_accumulation` (token loop),
 :func:`dense_dmc_attention` / :func:`dmc_attention_bias` (full n x n bias),
@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from kernels.backend import get_backend, use_triton
+from kernels.backend import use_triton
 
 from ._checks import check_gqa, check_kv, check_per_head, check_positive_int
 from .accumulation import partial_accumulation_torch
@@ -50,7 +50,7 @@ from .reference import (
 )
 
 MODES = ("exact", "window")
-IMPLS = ("auto", "fused", "blocked", "triton")
+IMPLS = ("auto", "fused", "blocked")
 
 __all__ = [
     "IMPLS",
@@ -83,17 +83,12 @@ def _accumulation_impl(device: torch.device) -> Callable:
 
 
 def _attention_impl(device: torch.device, dtype: torch.dtype, impl: str) -> str:
-    """Resolve ``impl`` of :func:`dmc_attention` for tensors on ``device`` of ``dtype`` to ``"fused"``,
-    ``"triton"`` or ``"blocked"``.
-
-    ``"auto"``: the fused kernels where they take the inputs (:func:`~.attention_fused.fused_ops`; not when
-    ``DMC_KERNELS=triton`` forces the Triton kernels), else the portable blocked version.
-    """
+    """Resolve ``impl`` of :func:`dmc_attention` for tensors on ``device`` of ``dtype`` to ``"fused"`` or
+    ``"blocked"``. ``"auto"``: the fused kernels where they take the inputs
+    (:func:`~.attention_fused.fused_ops`), else the portable blocked version."""
     if impl == "fused" and fused_ops(device, dtype) is None:
         raise ValueError(f"impl='fused' has no fused attention kernel for {dtype} tensors on {device}")
     if impl == "auto":
-        if get_backend() == "triton" and use_triton(device):
-            return "triton"
         return "fused" if fused_ops(device, dtype) is not None else "blocked"
     return impl
 
@@ -181,9 +176,8 @@ def dmc_attention(
         free_channel: a channel of q / k_tilde that takes no part in attention (DMC's decision
             channel): it is treated as 0 whatever it holds, and gets gradient 0. ``"fused"``
             carries the bias in it instead of appending a channel (faster).
-        impl: ``"auto"`` (``"fused"`` where its kernels take the inputs, else ``"blocked"``), ``"triton"``
-            (``attention_triton.py``: flash-attention-style tiles, forward and backward kernels),
-            ``"fused"`` or ``"blocked"``.
+        impl: ``"auto"`` (``"fused"`` where its kernels take the inputs, else ``"blocked"``), ``"fused"`` or
+            ``"blocked"``.
 
     Returns:
         ``out [b, h_q, n, d_v]`` in the dtype of ``q``; computed in float32 (float64 stays float64).
@@ -204,10 +198,6 @@ def dmc_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     chosen = _attention_impl(q.device, q.dtype, impl)
-    if chosen == "triton":
-        from .attention_triton import dmc_attention_triton
-
-        return dmc_attention_triton(q, k_tilde, v_tilde, alpha, float(scale), free_channel)
     if chosen == "fused":
         ops = fused_ops(q.device, q.dtype)
         return FusedDMCAttention.apply(q, k_tilde, v_tilde, alpha, float(scale), free_channel, ops)

@@ -34,9 +34,8 @@ def test_hard_training_equals_inference_simulation(G, seed, impl, device):
     alpha[..., 0] = 1  # ignored: the first token always appends
     expected, lengths = simulate_dmc_inference(q, k, v, alpha, omega)  # the reference, on CPU
 
-    dev = torch.device("cpu") if impl == "fused_cpu" else device  # the fused CPU kernels take CPU tensors only
-    k_t, v_t = partial_accumulation(k.to(dev), v.to(dev), alpha.to(dev), omega.to(dev), mode="exact", chunk=8)
-    out = dmc_attention(q.to(dev), k_t, v_t, alpha.to(dev), block=8, key_block=8, impl=impl)
+    k_t, v_t = partial_accumulation(*(t.to(device) for t in (k, v, alpha, omega)), mode="exact", chunk=8)
+    out = dmc_attention(q.to(device), k_t, v_t, alpha.to(device), block=8, key_block=8, impl=impl)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=0)
 
     a = alpha.clone()
