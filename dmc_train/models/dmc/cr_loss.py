@@ -59,7 +59,8 @@ class CRLossTracker:
         self.num_layers, self.num_heads, self.num_chunks = num_layers, num_heads, num_chunks
         self.group, self.form = group, form
         self.target_cr = 1.0
-        self.stats = torch.zeros(num_layers, num_heads, 2, dtype=torch.float64)  # (appends, decisions)
+        # (appends, decisions), on the model's device like every buffer here
+        self.stats = torch.zeros(num_layers, num_heads, 2, dtype=torch.float64, device=distributed.device())
         self._forwards = defaultdict(int)  # chunk -> forwards run so far (= its next micro-batch index)
         self._reset_microbatches()
 
@@ -73,12 +74,11 @@ class CRLossTracker:
         self._pending: dict[int, object] = {}  # m -> async all-reduce work
         self._forwards.clear()
 
-    def _sums(self, m: int, batch: int = 0, device: Optional[torch.device] = None) -> torch.Tensor:
-        """The [layers, heads, 4] sums of micro-batch m (``batch``: its sequences, and ``device``: the model's,
-        known at the first record)."""
+    def _sums(self, m: int, batch: int = 0) -> torch.Tensor:
+        """The [layers, heads, 4] sums of micro-batch m (``batch``: its sequences, known at the first record)."""
         if m not in self._partial:
             h = self.num_layers * self.num_heads * 4
-            buf = torch.zeros(h + 2 * batch, dtype=torch.float64, device=device)
+            buf = torch.zeros(h + 2 * batch, dtype=torch.float64, device=distributed.device())
             self._buffers[m], self._per_seq[m] = buf, buf[h:].view(-1, 2)
             self._partial[m] = buf[:h].view(self.num_layers, self.num_heads, 4)
         return self._partial[m]
@@ -92,7 +92,7 @@ class CRLossTracker:
         m = self.active
         self._done[m] += 1
         if self._done[m] == self.num_chunks and self.group is not None:
-            self._sums(m, device=distributed.device())  # a stage that recorded nothing joins with zeros
+            self._sums(m)
             self._pending[m] = dist.all_reduce(self._buffers[m], group=self.group, async_op=True)
 
     def record(self, alpha: torch.Tensor, layer: int, head_offset: int,
@@ -108,9 +108,7 @@ class CRLossTracker:
         a = alpha.detach().double()
         hard = (a > 0.5).double()
         heads = slice(head_offset, head_offset + h)
-        sums = self._sums(m, b, alpha.device)[layer]
-        if self.stats.device != alpha.device:  # the counts live where the decisions are made
-            self.stats = self.stats.to(alpha.device)
+        sums = self._sums(m, b)[layer]
         self._per_seq[m][:, 0] += hard.sum(dim=(1, 2))
         self._per_seq[m][:, 1] += h * n
         sums[heads, KEEP] += (1 - a).sum(dim=(0, 2))
@@ -184,7 +182,9 @@ class CRLossTracker:
 
     def reduce_stats(self, group=None) -> torch.Tensor:
         """Sum the per-(layer, head) counts over ``group`` (default: all ranks), return and reset them."""
-        stats = distributed.all_reduce(self.stats.clone(), group=group)
+        stats = self.stats.clone()
+        if dist.is_initialized():
+            dist.all_reduce(stats, group=group)
         self.stats.zero_()
         return stats
 

@@ -27,6 +27,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.attention import SelfAttention
 
+from dmc_train import distributed
 from dmc_train.models.attention import SDPACoreAttention
 from dmc_train.models.less.kernels import KernelShape, LESSKernels
 from kernels.less import eviction_masks, less_attention
@@ -50,14 +51,17 @@ class LESSState:
     seed: int = 0  # the kernels of layer l start from seed + l, whatever the parallel layout
     sums: Optional[torch.Tensor] = None  # [num_layers, 2] float64: (MSE sum over micro-batches, micro-batches)
 
-    def record(self, layer: int, mse: float) -> None:
+    def record(self, layer: int, mse: torch.Tensor) -> None:
+        """Add a layer's MSE (a 0-dim tensor, kept on its device: no host round trip per layer)."""
         if self.sums is None:
-            self.sums = torch.zeros(self.num_layers, 2, dtype=torch.float64)
-        self.sums[layer - 1] += torch.tensor([mse, 1.0], dtype=torch.float64)
+            self.sums = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=mse.device)
+        self.sums[layer - 1, 0] += mse.detach().double()
+        self.sums[layer - 1, 1] += 1
 
     def take(self) -> torch.Tensor:
         """The sums recorded so far (zeros if none), then forget them."""
-        sums = self.sums if self.sums is not None else torch.zeros(self.num_layers, 2, dtype=torch.float64)
+        sums = self.sums if self.sums is not None else torch.zeros(self.num_layers, 2, dtype=torch.float64,
+                                                                   device=distributed.device())
         self.sums = None
         return sums
 
@@ -108,5 +112,5 @@ class LESSCoreAttention(SDPACoreAttention):
         less = less.permute(2, 0, 1, 3).reshape(n, b, h * d).to(full.dtype)
         diff, _ = owner.linear_proj(full - less)  # [s, b, hidden], summed over the tensor-parallel heads
         mse = diff[st.budget:].float().pow(2).mean() if n > st.budget else diff.sum() * 0
-        st.record(self.layer_number, float(mse.detach()))
+        st.record(self.layer_number, mse)
         return mse
