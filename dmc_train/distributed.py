@@ -182,17 +182,6 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
-    """``tensor`` (on any device) all-reduced over ``group`` (default: all ranks) with ``op`` (default: sum),
-    through :func:`device` (NCCL reduces GPU tensors only); returned on ``tensor``'s device. The identity
-    without a process group."""
-    if not dist.is_initialized():
-        return tensor
-    work = tensor.to(device())
-    dist.all_reduce(work, op=dist.ReduceOp.SUM if op is None else op, group=group)
-    return work.to(tensor.device)
-
-
 def without_cpu_compat_mode() -> contextlib.AbstractContextManager:
     """A context in which torch calls skip the compatibility layer's TorchFunctionMode (F, G, H).
 

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from dmc_train import distributed
 from dmc_train.config import kv_groups
 from dmc_train.errors import ConfigError
 from dmc_train.methods.base import Method
@@ -94,7 +93,7 @@ class LESSMethod(Method):
         if dist.is_initialized():
             if ps.get_tensor_model_parallel_rank() != 0:
                 sums.zero_()  # every TP rank computed the same values
-            sums = distributed.all_reduce(sums)
+            dist.all_reduce(sums)
         return (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
 
     def after_step(self, step: int, model_chunks) -> dict:
