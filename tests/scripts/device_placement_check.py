@@ -73,12 +73,37 @@ def _placeholders(data):
     return data
 
 
+# ops that take tensors on several devices on CUDA too: moves, copies, and indexing by a CPU index
+_CROSS_DEVICE = {torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
+                 torch.Tensor.index_put_, torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.cpu}
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
 class MetaValues(TorchFunctionMode):
     """Reads of meta tensors' values get placeholders: 1 for a number, True for a truth value, nothing found by
-    ``nonzero``."""
+    ``nonzero``. With ``checking`` set (a step, an evaluation; not the model's construction, whose moves are
+    meant), an op on meta and (non-scalar) CPU tensors together is refused, as CUDA refuses it, also where meta's
+    own kernels do not check (matmul, gather, ...)."""
+
+    checking = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.checking and func not in _CROSS_DEVICE:
+            devices = {t.device.type for t in _tensors((args, kwargs)) if t.dim() > 0}
+            if len(devices) > 1:
+                raise RuntimeError(f"{getattr(func, '__name__', func)} on tensors on {sorted(devices)}: one of them "
+                                   f"is not on the model's device")
         t = args[0] if args else None
         if isinstance(t, torch.Tensor) and t.device == META:
             if func in (torch.Tensor.item, torch.Tensor.__float__):
@@ -108,15 +133,17 @@ def main() -> None:
             current = []
         else:
             current.append(arg)
-    with tempfile.TemporaryDirectory() as tmp, MetaValues():
+    with tempfile.TemporaryDirectory() as tmp, MetaValues() as mode:
         for overrides in runs:
             cfg = load_config(["+recipe=tiny_pretrain", f"run_dir={tmp}/run", "checkpoint.resume=none",
                                "logging.progress=false", "train.eval_iters=1", *overrides])
             trainer = Trainer(cfg)
             assert all(p.device == META for chunk in trainer.model for p in chunk.parameters())
+            mode.checking = True
             trainer.train_step()
             trainer.evaluate()
             trainer.method.evaluation_metrics()
+            mode.checking = False
             print("ok", " ".join(overrides), flush=True)
 
 
