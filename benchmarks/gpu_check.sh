@@ -111,8 +111,9 @@ fi
 # -- 4. tests on the GPU ------------------------------------------------------------------------
 if ! skipped tests; then
   t0=$SECONDS
-  DMC_TEST_DEVICE=cuda timeout "${DMC_CHECK_TEST_SECONDS:-180}" $PY -m pytest -q -p no:cacheprovider \
-    tests/kernels/dmc tests/kernels/less tests/test_dmc_method.py tests/models >"$DEST/tests.log" 2>&1
+  DMC_TEST_DEVICE=cuda timeout "${DMC_CHECK_TEST_SECONDS:-240}" $PY -m pytest -q -p no:cacheprovider \
+    tests/kernels/dmc tests/kernels/less tests/kernels/paged/test_paged_triton.py tests/test_dmc_method.py \
+    tests/models tests/test_device_resume.py tests/test_device_errors.py >"$DEST/tests.log" 2>&1
   rc=$?
   summary=$(grep -E "passed|failed|error" "$DEST/tests.log" | tail -1)
   [ $rc -eq 0 ] && record "tests on cuda" ok "$summary ($((SECONDS - t0)) s)" \
