@@ -90,6 +90,7 @@ def check_before_hydra(cfg: Any) -> None:
     world_size = read_launch_env().world_size
     try:
         validate(cfg, world_size)
+        check_starting_weights(cfg)
         if "${now:" in OmegaConf.to_yaml(cfg):
             return
         run_lock.check_writable(cfg.run_dir)
@@ -97,6 +98,23 @@ def check_before_hydra(cfg: Any) -> None:
             run_lock.acquire(cfg.run_dir)
     except UserError as e:
         fail(f"config error: {e}" if isinstance(e, ConfigError) else str(e))
+
+
+def check_starting_weights(cfg: Any) -> None:
+    """What a training run starts from: LESS distils from a base model, so it needs ``checkpoint.init_from``
+    (else the base would be random); a Hugging Face directory there must have a complete ``config.json`` and no
+    weights of layers it does not list (:func:`dmc_train.conversion.hf_checks.check_hf_dir`)."""
+    init_from = cfg.checkpoint.init_from
+    if cfg.method.name == "less" and not init_from:
+        raise ConfigError("method=less distils from a frozen base model, and checkpoint.init_from is not set (the "
+                          "base would be random); set checkpoint.init_from=<a run, checkpoint or Hugging Face Llama "
+                          "directory>")
+    from dmc_train.training.hf_loading import is_hf_dir
+
+    if init_from and is_hf_dir(init_from):
+        from dmc_train.conversion.hf_checks import check_hf_dir
+
+        check_hf_dir(init_from)
 
 
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:

@@ -2,8 +2,10 @@
 
 A family's ``cpu.py`` names its source and what the library is for; :func:`load` compiles it once per source,
 flags and machine (``-march=native``: keyed by the CPU's feature flags) into ``$DMC_KERNELS_CACHE`` (default
-``~/.cache/dmc_train/kernels``), written atomically, and loads it. Without a C compiler (or if the build fails)
-it warns and returns None: the family's PyTorch path runs instead. ``CC`` picks the compiler (default ``cc``).
+``~/.cache/dmc_train/kernels``), written atomically, and loads it; a cached file that cannot be loaded (truncated,
+emptied) is built again. Without a C compiler (or if the build fails, e.g. an unwritable cache) it returns None
+and the family's PyTorch path runs instead, after one warning per process and cause (whichever family meets it
+first). ``CC`` picks the compiler (default ``cc``).
 No torch headers are needed: the sources are plain C (OpenMP for threads), and take tensors as pointers.
 """
 
@@ -57,29 +59,69 @@ def _build(compiler: str, source: Path, target: Path) -> Optional[str]:
 
 
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # what the sources include ("../cpu_math.h")
+_warned: set[str] = set()  # the causes warned of in this process
+
+
+def _warn_once(cause: str, message: str) -> None:
+    """Warn ``message`` unless this process warned of ``cause`` already: a cause every kernel family meets (no
+    compiler, an unwritable cache) is said once, by the first family that needs its library."""
+    if cause not in _warned:
+        _warned.add(cause)
+        warnings.warn(message, stacklevel=4)
 
 
 def load(source: Path, what: str, argtypes: Optional[dict[str, list]] = None) -> Optional[ctypes.CDLL]:
-    """The library compiled from ``source`` (built on first use), its functions' ``argtypes`` (name -> ctypes
-    types; each returns an int, ctypes' default) set, or None with one warning naming ``what`` (e.g. "the CPU
-    paged-attention kernel") when it cannot be built here."""
+    """The library compiled from ``source`` (built on first use, rebuilt when the cached file cannot be loaded),
+    its functions' ``argtypes`` (name -> ctypes types; each returns an int, ctypes' default) set, or None when it
+    cannot be built here (``what``, e.g. "the CPU paged-attention kernel", names it in the warning; one warning
+    per process and cause)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn(f"no C compiler (cc) found: {what} runs its PyTorch path, slower; install gcc or set CC to "
-                      f"use the compiled kernel", stacklevel=3)
+        _warn_once("compiler", "no C compiler (cc) found: the CPU kernels run their PyTorch paths, slower; install "
+                               "gcc or set CC to use the compiled kernels")
         return None
     text = b"".join(p.read_bytes() for p in (source, *HEADERS))
     key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode() + _cpu_flags()).hexdigest()
     path = cache_dir() / f"{source.parent.name}_cpu_{key[:16]}.so"
-    try:
-        error = None if path.exists() else _build(compiler, source, path)
-    except OSError as e:
-        error = str(e)
+    lib, error = _build_and_open(compiler, source, path, argtypes)
     if error is not None:
-        warnings.warn(f"building {what} failed ({error}): its PyTorch path runs instead; check the C compiler "
-                      f"({compiler}) and that {cache_dir()} is writable (DMC_KERNELS_CACHE)", stacklevel=3)
+        _warn_once("build", f"building {what} failed ({error}): the CPU kernels that cannot be built run their "
+                            f"PyTorch paths, slower; check the C compiler ({compiler}) and that {cache_dir()} is "
+                            f"writable (DMC_KERNELS_CACHE)")
+    return lib
+
+
+def _build_and_open(compiler: str, source: Path, path: Path,
+                    argtypes: Optional[dict[str, list]]) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """``(library, None)``, built first when ``path`` is missing and again when the cached file cannot be loaded
+    (truncated, emptied); ``(None, error line)`` when that fails."""
+    error = _build_if_missing(compiler, source, path)
+    if error is not None:
+        return None, error
+    lib = _open(path, argtypes)
+    if lib is None:  # a damaged cached file
+        error = _build_if_missing(compiler, source, path, force=True)
+        if error is not None:
+            return None, error
+        lib = _open(path, argtypes)
+    return lib, None if lib is not None else f"{path} cannot be loaded"
+
+
+def _build_if_missing(compiler: str, source: Path, target: Path, force: bool = False) -> Optional[str]:
+    """:func:`_build` unless ``target`` exists (``force``: in any case); the error line or None."""
+    try:
+        return None if target.exists() and not force else _build(compiler, source, target)
+    except OSError as e:
+        return str(e)
+
+
+def _open(path: Path, argtypes: Optional[dict[str, list]]) -> Optional[ctypes.CDLL]:
+    """The library at ``path`` with its functions' ``argtypes`` set, or None when it cannot be loaded or lacks
+    one of them."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name, types in (argtypes or {}).items():
+            getattr(lib, name).argtypes = types
+    except (OSError, AttributeError):
         return None
-    lib = ctypes.CDLL(str(path))
-    for name, types in (argtypes or {}).items():
-        getattr(lib, name).argtypes = types
     return lib

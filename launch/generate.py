@@ -131,6 +131,7 @@ def main(argv=None) -> None:
     def run():
         import torch
 
+        from dmc_train.errors import InferenceError
         from dmc_train.inference.engine import Engine, summarize
         from dmc_train.inference.sampling import SamplingParams
 
@@ -163,9 +164,9 @@ def main(argv=None) -> None:
             with open(args.json, "w") as f:
                 json.dump({"outputs": [o.__dict__ for o in outputs], "summary": summary, "stats": engine.stats,
                            "memory": engine.memory()}, f, indent=1)
-        if any(o.error for o in outputs):
-            print("error: " + next(o.error for o in outputs if o.error), file=sys.stderr)
-            sys.exit(1)
+        failed = [o.error for o in outputs if o.error]
+        if failed:  # a request the settings cannot serve (its pages): bad input, as every other InferenceError
+            raise InferenceError(failed[0])
 
     try:
         cli.run_reporting_errors(run)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 
@@ -55,7 +56,10 @@ def study_app(cfg) -> None:
         print(markdown)
         say(f"wrote {os.path.join(out, 'RESULTS.md')}")
 
-    cli.run_reporting_errors(run)
+    try:
+        cli.run_reporting_errors(run)
+    except study.Stopped as e:
+        cli.fail(str(e), 128 + signal.SIGTERM)
 
 
 def main() -> None:

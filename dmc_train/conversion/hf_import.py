@@ -5,8 +5,9 @@
 
 What :func:`import_hf` does, in order (nothing is left at ``out`` unless every step passed):
 
-1. ``config.json`` -> the ``model`` node (:func:`~dmc_train.models.hf_config.model_config_from_hf`
-   refuses what the project's Llama cannot represent); every weight shard is opened (headers checked).
+1. ``config.json`` -> the ``model`` node (:mod:`~dmc_train.conversion.hf_checks`: every shape key present, no
+   weights of a layer it does not list; :func:`~dmc_train.models.hf_config.model_config_from_hf` refuses what
+   the project's Llama cannot represent); every weight shard is opened (headers checked).
 2. The tokenizer (``tokenizer.model`` and/or ``tokenizer.json`` + its config files) is copied and
    loaded; a vocabulary larger than the model's ``vocab_size`` is refused.
 3. The checkpoint is written to ``<out>.importing`` tensor by tensor, without building the model
@@ -44,6 +45,7 @@ from omegaconf import OmegaConf
 from dmc_train import distributed
 from dmc_train.config import kv_groups
 from dmc_train.conversion import check_logits, check_output, hf_rope_inv_freq, load_llama, verification_tokens
+from dmc_train.conversion.hf_checks import check_hf_config, check_layers
 from dmc_train.data.tokenizer import load_tokenizer
 from dmc_train.errors import ConfigError, DataError
 from dmc_train.models.hf_config import model_config_from_hf
@@ -162,11 +164,13 @@ def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32
     or ``full``, :func:`verify_import`). One process; returns ``out``."""
     hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
     hf = read_hf_config(hf_dir)
+    check_hf_config(hf, hf_dir)
     check_output(out, overwrite, hf_dir)
     cfg = hf_run_config(hf, dtype)
     if verify not in VERIFY:
         raise ConfigError(f"verify={verify!r} is not one of {', '.join(VERIFY)}")
     weights = HFWeights(hf_dir)  # every shard opened: a missing or truncated one fails before any work
+    check_layers(weights.names(), hf, hf_dir)
     staging, tok_tmp = out + ".importing", out + ".tokenizer.tmp"
     _remove(staging, staging + ".tmp", tok_tmp)
     try:

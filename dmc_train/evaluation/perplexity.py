@@ -88,15 +88,16 @@ def evaluate_with_cache(cfg: Any, ckpt: str, meta: dict) -> dict:
     Writes ``eval_<cache>[_<budget>].json``: the harness's measures per split under ``valid`` / ``test`` and
     ``<split>_loss``, ``<split>_ppl``, ``<split>_accuracy``, ``<split>_tokens`` beside them."""
     from dmc_train.evaluation.harness import evaluate_cache
-    from dmc_train.inference.caches import cache_budget
+    from dmc_train.inference.caches import CACHES, cache_budget, check_cache
     from dmc_train.inference.model import LlamaForInference
 
     e = cfg.eval
     model, _ = LlamaForInference.from_checkpoint(ckpt)
     cache = model.default_cache if e.cache == "auto" else e.cache
-    if model.dmc is not None and cache not in ("dmc", "full"):
+    if cache in CACHES and model.dmc is not None and cache not in ("dmc", "full"):
         raise CheckpointError(f"eval.cache={cache} is a cache for vanilla and GQA checkpoints; {ckpt} is a DMC model "
                               f"(evaluate it with eval.cache=model)")
+    check_cache(cache, model)  # an unknown name: the line lists the caches
     options = cache_options(e, cache)
     budget = cache_budget(cache, model, options)
     _, valid_data, test_data = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)

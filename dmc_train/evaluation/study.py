@@ -17,15 +17,22 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from dmc_train.errors import ConfigError
+from dmc_train.errors import ConfigError, DataError
 
 ROOT_ENV = "DMC_TRAIN_ROOT"  # where runs/ and data_cache/ are (default: the current directory)
+CELL_KEYS = ("name", "checkpoint", "cache", "ppl")  # what the report reads of every cell
+
+
+class Stopped(Exception):
+    """The study got SIGTERM while a subprocess ran; the subprocess got it too and has exited (a training run
+    saves a checkpoint first), so running the study again resumes the cell."""
 
 
 @dataclass(frozen=True)
@@ -192,11 +199,41 @@ def select(preset: Preset, names: list[str]) -> list[Cell]:
 
 
 def _python(args: list[str], log: str) -> None:
-    """``python -m <args>`` in the study's root, output appended to ``log``; one line if it fails."""
+    """``python -m <args>`` in the study's root, output appended to ``log``; one line if it fails. SIGTERM to
+    the study is handed to the subprocess, which is waited for; then :class:`Stopped`."""
     with open(log, "a") as f:
-        code = subprocess.call([sys.executable, "-m", *args], cwd=root(), stdout=f, stderr=subprocess.STDOUT)
+        code, stopped = _run_forwarding_sigterm([sys.executable, "-m", *args], f)
+    if stopped:
+        raise Stopped(f"stopped by SIGTERM; so was `python -m {args[0]}` (exit {code}, its output is in {log}): "
+                      f"run the study again to resume")
     if code:
         raise ConfigError(f"`python -m {' '.join(args)}` failed (exit {code}); its output is in {log}")
+
+
+def _run_forwarding_sigterm(command: list[str], log) -> tuple[int, bool]:
+    """Run ``command`` (output to the file ``log``) to its end, handing it a SIGTERM this process gets meanwhile;
+    returns its exit code and whether a SIGTERM came. The handler is in place before the child starts, so no
+    signal leaves it running on its own (off the main thread, where Python cannot catch signals: a plain wait)."""
+    child: list[subprocess.Popen] = []
+    got: list[int] = []
+
+    def forward(signum, frame):
+        got.append(signum)
+        if child:
+            child[0].send_signal(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, forward)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        child.append(subprocess.Popen(command, cwd=root(), stdout=log, stderr=subprocess.STDOUT))
+        if got:  # came while the child started
+            child[0].send_signal(signal.SIGTERM)
+        return child[0].wait(), bool(got)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _finished(run_dir: str, steps: Optional[int] = None) -> bool:
@@ -269,8 +306,7 @@ def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = 
     as it is (delete it to redo the cell), with the lm-eval tasks added when the preset wants them."""
     path = cell_path(out, cell.name)
     if os.path.exists(path):
-        with open(path) as f:
-            result = json.load(f)
+        result = read_cell(path)
         if preset.lm_eval_limit and "lm_eval" not in result:
             _write(path, _with_lm_eval(result, preset, say))
         return result
@@ -312,6 +348,19 @@ def load_cells(out: str, cells: list[Cell]) -> list[dict]:
     results = []
     for cell in cells:
         if os.path.exists(cell_path(out, cell.name)):
-            with open(cell_path(out, cell.name)) as f:
-                results.append({**json.load(f), "method": cell.method, "fraction": cell.fraction})
+            results.append({**read_cell(cell_path(out, cell.name)), "method": cell.method, "fraction": cell.fraction})
     return results
+
+
+def read_cell(path: str) -> dict:
+    """A finished cell's results; one-line :class:`DataError` naming the file when it is not a cell's JSON."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"study cell file {path} cannot be read ({e}); delete it to run the cell again") from None
+    missing = [key for key in CELL_KEYS if key not in result] if isinstance(result, dict) else list(CELL_KEYS)
+    if missing:
+        raise DataError(f"study cell file {path} is not a cell's results (no {', '.join(missing)}); delete it to run "
+                        f"the cell again")
+    return result

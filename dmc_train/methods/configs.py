@@ -130,6 +130,12 @@ class LESSConfig:
         if not (m.budget >= 1 and float(m.budget).is_integer()) and not 0 < m.budget < 1:
             raise ConfigError(f"method.budget={m.budget} must be a whole number of entries >= 1 or a fraction of "
                               f"model.max_position_embeddings in (0, 1)")
+        from dmc_train.policies import policy_config  # torch: only when a LESS config is checked
+
+        try:
+            policy_config(m.policy, {"budget": m.budget, **dict(m.policy_options)})
+        except ConfigError as e:
+            raise ConfigError(f"method=less with method.policy={m.policy}: {e}") from None
         if m.hidden < 1 or m.rank < 1:
             raise ConfigError(f"method.hidden={m.hidden} and method.rank={m.rank} must be >= 1")
         if not 0 <= m.dropout < 1:

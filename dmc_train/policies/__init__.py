@@ -29,12 +29,20 @@ from dmc_train.policies.tova import TOVA
 POLICIES: dict[str, type[Scorer]] = {s.name: s for s in (H2O, TOVA, StreamingLLM, Keyformer, LSHE, Knorm)}
 
 
-def build_scorer(name: str, options: dict[str, Any], head_dim: int, group: int, scale: float) -> Scorer:
-    """The scorer ``name`` with its options (one-line :class:`ConfigError` for a bad name or option)."""
+def policy_config(name: str, options: dict[str, Any]) -> PolicyConfig:
+    """The options of policy ``name`` checked by the one schema (:func:`~dmc_train.policies.base.make_config`:
+    known name, type, range); one-line :class:`ConfigError` for a bad name or option. Every way to a policy
+    goes through here: the engine's ``Engine(..., **options)`` and ``--policy-option``, the evaluation's
+    ``eval.options`` and LESS's ``method.policy_options`` (checked with the config, before a run starts)."""
     if name not in POLICIES:
         raise ConfigError(f"unknown policy {name!r}; the policies are {', '.join(POLICIES)}")
-    kind = POLICIES[name]
-    return kind(make_config(kind.Config, options, name), head_dim, group, scale)
+    return make_config(POLICIES[name].Config, options, name)
 
 
-__all__ = ["POLICIES", "Entries", "PolicyConfig", "Scorer", "Step", "build_scorer"]
+def build_scorer(name: str, options: dict[str, Any], head_dim: int, group: int, scale: float) -> Scorer:
+    """The scorer ``name`` with its options (:func:`policy_config`)."""
+    cfg = policy_config(name, options)  # first: an unknown name is a ConfigError
+    return POLICIES[name](cfg, head_dim, group, scale)
+
+
+__all__ = ["POLICIES", "Entries", "PolicyConfig", "Scorer", "Step", "build_scorer", "policy_config"]

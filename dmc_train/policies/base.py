@@ -25,7 +25,9 @@ Rows are ordered ``[sequence, KV head]`` (``N = b * H_kv``), which layer-wide ag
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, fields
+from types import UnionType
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -43,13 +45,12 @@ class PolicyConfig:
     fraction in (0, 1) of the model's context; ``schedule``: ``decode`` | ``prefill``;
     ``compression_ratio``: the fraction of the prompt the ``prefill`` schedule removes (kvpress's);
     ``aggregate``: priorities per KV head, or averaged over the KV heads of a layer (every KV head then
-    keeps the same positions); ``seed``: random projections and noise."""
+    keeps the same positions). A policy with randomness adds ``seed`` (Keyformer's noise, LSH-E's projection)."""
 
     budget: float = 0.25
     schedule: str = "decode"
     compression_ratio: float = 0.5
     aggregate: str = "kv_head"
-    seed: int = 0
 
     def check(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -84,14 +85,51 @@ class RecentWindowConfig(PolicyConfig):
 
 
 def make_config(config_type: type, options: dict[str, Any], policy: str) -> PolicyConfig:
-    """``config_type(**options)`` checked, with a one-line error naming an unknown option."""
-    known = [f.name for f in fields(config_type)]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ConfigError(f"{policy} has no option {unknown[0]!r}; its options are {', '.join(known)}")
-    cfg = config_type(**options)
+    """``config_type(**options)`` checked by the one schema of the policies' options: a known name
+    (:func:`check_names`), the field's type (:func:`checked_value`), then the config's own ranges and names
+    (``check()``); ``compression_ratio`` only with the ``prefill`` schedule, the one that reads it. One-line
+    :class:`ConfigError` naming the option and the fix."""
+    types = option_types(config_type)
+    check_names(options, types, policy)
+    cfg = config_type(**{key: checked_value(policy, key, value, types[key]) for key, value in options.items()})
     cfg.check()
+    if "compression_ratio" in options and cfg.schedule != "prefill":
+        raise ConfigError(f"{policy}: compression_ratio is read by the prefill schedule only (this one is "
+                          f"{cfg.schedule!r}); add schedule=prefill or leave compression_ratio out")
     return cfg
+
+
+def option_types(config_type: type, rename: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Option name -> type of every field of the dataclass ``config_type`` (``rename``: field -> option name)."""
+    hints = typing.get_type_hints(config_type)
+    rename = rename or {}
+    return {rename.get(f.name, f.name): hints[f.name] for f in fields(config_type)}
+
+
+def check_names(options: dict[str, Any], types: dict[str, Any], owner: str) -> None:
+    """One-line :class:`ConfigError` for an option ``owner`` does not have, listing the ones it has."""
+    unknown = sorted(set(options) - set(types))
+    if unknown:
+        raise ConfigError(f"{owner} has no option {unknown[0]!r}; its options are {', '.join(types)}")
+
+
+def checked_value(owner: str, key: str, value: Any, kind: Any) -> Any:
+    """``value`` of option ``key`` if it fits the field type ``kind`` (float: a number; int: a whole number;
+    bool: true or false; str: a name; ``Optional[...]``: also None), ints given for whole-number fields as int;
+    else a one-line :class:`ConfigError`."""
+    if typing.get_origin(kind) in (typing.Union, UnionType):
+        if value is None:
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float and number:
+        return value
+    if kind is int and number and float(value).is_integer():
+        return int(value)
+    if (kind is bool and isinstance(value, bool)) or (kind is str and isinstance(value, str)):
+        return value
+    wanted = {float: "a number", int: "a whole number", bool: "true or false", str: "a name"}[kind]
+    raise ConfigError(f"{owner} option {key}={value!r} must be {wanted}")
 
 
 @dataclass

@@ -54,6 +54,7 @@ class KeyformerConfig(RecentWindowConfig):
     tau_schedule: str = "paper"  # paper: (tau_end - tau_init) / T per step | code: + tau_step per step
     tau_step: float = 0.01
     noise: bool = True  # False: the accumulated softmax with temperature, no Gumbel noise
+    seed: int = 0  # the Gumbel noise
 
     def check(self) -> None:
         super().check()

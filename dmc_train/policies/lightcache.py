@@ -28,12 +28,13 @@ of new tokens per row, from the pages) and the parallel form :meth:`LightCache.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from dmc_train.errors import ConfigError
+from dmc_train.policies.base import check_names, checked_value, option_types
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # rope(x [..., d], positions [...]) -> [..., d]
 BLOCK_ELEMENTS = 1 << 23  # a block of queries gathers at most about this many window elements
@@ -58,16 +59,13 @@ class LightCacheConfig:
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "LightCacheConfig":
-        """From user options (``global`` for ``global_``); one-line error for an unknown one."""
-        names = {("global" if f.name == "global_" else f.name): f.name for f in fields(cls)}
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            raise ConfigError(f"lightcache has no option {unknown[0]!r}; its options are {', '.join(names)}")
-        for key, value in options.items():
-            whole = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
-            if value is not None and not whole:
-                raise ConfigError(f"lightcache option {key}={value} must be a whole number")
-        return cls(**{names[k]: (None if v is None else int(v)) for k, v in options.items()})
+        """From user options (``global`` for ``global_``), checked by the policies' schema
+        (:func:`~dmc_train.policies.base.make_config`'s name and type checks): one-line error for an unknown option
+        or one that is not a whole number."""
+        types = option_types(cls, {"global_": "global"})
+        check_names(options, types, "lightcache")
+        values = {key: checked_value("lightcache", key, value, types[key]) for key, value in options.items()}
+        return cls(**{("global_" if key == "global" else key): value for key, value in values.items()})
 
 
 @dataclass(frozen=True)

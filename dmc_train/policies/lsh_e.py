@@ -33,6 +33,7 @@ class LSHEConfig(PolicyConfig):
     bits: int = 16
     n_sink: int = 4
     n_recent: int = 10
+    seed: int = 0  # the random projection
 
     def check(self) -> None:
         super().check()
