@@ -186,6 +186,9 @@ def test_pages_needed_read_from_one_row_per_sequence_count_every_row(schedule):
     ("knorm", {"schedule": "prefill", "compression_ratio": 1.0}, "compression_ratio=1.0 must be in [0, 1)"),
     ("keyformer", {"recent_fraction": 2}, "recent_fraction=2 must be in [0, 1]"),
     ("h2o", {"windw": 3}, "h2o has no option 'windw'; its options are budget, schedule"),
+    ("h2o", {"seed": 1}, "h2o has no option 'seed'"),
+    ("keyformer", {"recent_fraction": "0,3"}, "keyformer option recent_fraction='0,3' must be a number"),
+    ("h2o", {"compression_ratio": 0.3}, "compression_ratio is read by the prefill schedule only"),
     ("full", {"budget": 3}, "the full cache takes no options"),
 ])
 def test_bad_policy_settings_are_one_line(make_model, cache, options, message):
