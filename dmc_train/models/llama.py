@@ -148,12 +148,14 @@ def build_model(cfg: Any, attention: Optional[ModuleSpec] = None) -> list[GPTMod
             rotary_base=cfg.model.rotary_base,
             vp_stage=stage,
         ))
-    inv_freq = model_inv_freq(cfg.model).to(distributed.device())
+    # this process's device; meta when built under torch.device("meta") (the layout alone: streaming checkpoints)
+    device = torch.device("meta") if torch.empty(0).is_meta else distributed.device()
+    inv_freq = model_inv_freq(cfg.model).to(device)
     for chunk in chunks:
         # megatron-core's RotaryEmbedding computes its angles from ``inv_freq`` (fp32, not a parameter or
         # buffer: never cast, saved or loaded); the project's frequencies, scaled by model.rope_scaling,
         # replace the unscaled ones it computed (equal to them without scaling). DMC's rope_order=pre
         # rotates the accumulated keys with this same embedding.
         chunk.rotary_pos_emb.inv_freq = inv_freq.clone()
-        chunk.to(device=distributed.device(), dtype=config.params_dtype)
+        chunk.to(device=device, dtype=config.params_dtype)
     return chunks
