@@ -101,11 +101,11 @@ def check_before_hydra(cfg: Any) -> None:
 
 
 def check_starting_weights(cfg: Any) -> None:
-    """What a training run starts from: LESS distils from a base model, so it needs ``checkpoint.init_from``
-    (else the base would be random); a Hugging Face directory there must have a complete ``config.json`` and no
-    weights of layers it does not list (:func:`dmc_train.conversion.hf_checks.check_hf_dir`)."""
+    """What a training run starts from: LESS distils from a base model, so a fresh run needs
+    ``checkpoint.init_from`` (else the base would be random); a Hugging Face directory there must have a complete
+    ``config.json`` and no weights of layers it does not list (:func:`dmc_train.conversion.hf_checks.check_hf_dir`)."""
     init_from = cfg.checkpoint.init_from
-    if cfg.method.name == "less" and not init_from:
+    if cfg.method.name == "less" and not init_from and not _continues_a_checkpoint(cfg):
         raise ConfigError("method=less distils from a frozen base model, and checkpoint.init_from is not set (the "
                           "base would be random); set checkpoint.init_from=<a run, checkpoint or Hugging Face Llama "
                           "directory>")
@@ -115,6 +115,15 @@ def check_starting_weights(cfg: Any) -> None:
         from dmc_train.conversion.hf_checks import check_hf_dir
 
         check_hf_dir(init_from)
+
+
+def _continues_a_checkpoint(cfg: Any) -> bool:
+    """Whether the run resumes a checkpoint (``checkpoint.resume``: a path, or ``auto`` with one in the run
+    directory): a LESS checkpoint names its own base."""
+    from dmc_train.training.checkpoint_dirs import checkpoint_root, newest_complete
+
+    resume = cfg.checkpoint.resume
+    return resume not in ("auto", "none") or (resume == "auto" and newest_complete(checkpoint_root(cfg)) is not None)
 
 
 def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
