@@ -2,10 +2,11 @@
 
 A fused causal attention kernel that returns the row log-sum-exp, and its backward, are O(n)-memory; the
 device decides which (:func:`fused_ops`): on CPU ``aten._scaled_dot_product_flash_attention_for_cpu``; on
-CUDA FlashAttention-2 (``aten._scaled_dot_product_flash_attention``, bf16 / fp16) or cuDNN's
-(``aten._scaled_dot_product_cudnn_attention``), and the memory-efficient kernel for fp32
+CUDA in bf16 / fp16 cuDNN's (``aten._scaled_dot_product_cudnn_attention``) on Hopper and newer,
+FlashAttention-2 (``aten._scaled_dot_product_flash_attention``) before, and the memory-efficient kernel in fp32
 (``aten._scaled_dot_product_efficient_attention``). The kernel works in the input dtype on CUDA (bf16 /
-fp16: the dtype the flash kernels take) and in fp32 (fp64) on CPU; the merge below is always fp32 (fp64).
+fp16: the dtype the flash kernels take) and in fp32 (fp64) on CPU; the merge below is always fp32 (fp64). On
+CUDA the element-wise stages around the kernel are fused by ``torch.compile`` (:func:`_stages`).
 The Fig. 3 bias is split into
 
 - the *past* part (j < i, bias ``log(1 - alpha_{j+1})``): shift keys and values one position to the
