@@ -55,15 +55,15 @@ def uses_distopt(model) -> bool:
 
 
 def _rng_state() -> ShardedObject:
-    on_gpu = distributed.device().type == "cuda"
+    kind = distributed.device().type
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if on_gpu else None,
+        "cuda": torch.cuda.get_rng_state() if kind == "cuda" else None,
         # megatron's tracker holds the generator states of the device trained on (the CPU generator's without
         # a GPU: the compatibility layer); they only restore on the same kind of device
-        "tracker_device": distributed.device().type,
+        "tracker_device": kind,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     ps = parallel_state
@@ -79,8 +79,8 @@ def _rng_state() -> ShardedObject:
 def set_rng_state(state: dict) -> Optional[str]:
     """Restore the RNG states ``sharded_state`` saved (python, numpy, torch, CUDA, megatron's tracker). The GPU's
     and the tracker's are restored only on the kind of device they were saved on; returns a note saying so
-    otherwise (a GPU checkpoint resumed on CPU or the reverse: the training's own randomness, DMC's noise and
-    the data order, comes from the CPU generators and continues exactly), else None."""
+    otherwise (a GPU checkpoint resumed on CPU or the reverse: the training's own randomness continues, as DMC's
+    noise is seeded by its coordinates and the data order by the step), else None."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
