@@ -142,7 +142,8 @@ class EvalConfig:
     sequences (0: not measured). ``budget``: a policy's entries per (sequence, layer, KV head), or a fraction
     of the context (None: 0.25 for a policy; LESS: the budget it was trained at); ``schedule``: the policy's
     ``decode`` or ``prefill``; ``prompt_len``: tokens prefilled first; ``max_sequences``: the first N
-    sequences of each split (0: all); ``options``: the cache's own options (``+eval.options.recent_fraction=0.3``)."""
+    sequences of each split (0: all); ``options``: the cache's own options (``+eval.options.recent_fraction=0.3``);
+    ``device``: where the harness runs the inference model (``cpu``, ``cuda``, ``cuda:1``)."""
 
     cache: str = "model"
     budget: Optional[float] = None
@@ -152,6 +153,7 @@ class EvalConfig:
     incremental_sequences: int = 4
     kv_budget_seqs: int = 8
     options: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
 
 
 @dataclass

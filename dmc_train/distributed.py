@@ -182,6 +182,34 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def inference_device(spec: str | torch.device, dtype: torch.dtype | None = None) -> torch.device:
+    """The device an inference model runs on, from ``spec`` (``"cpu"``, ``"cuda"`` = the current GPU,
+    ``"cuda:<index>"``, a ``torch.device``), checked before anything is allocated: DeviceError (one line) for a GPU
+    that is not there and for a ``dtype`` the device cannot compute in (fp16 on CPU; bf16 on a GPU without it)."""
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"device={spec!r} is not a device; use cpu, cuda or cuda:<index>") from None
+    if dev.type == "cpu":
+        if dtype == torch.float16:
+            raise DeviceError("fp16 on the CPU is not supported (its matmuls are slow and partly missing); use "
+                              "dtype fp32 or bf16 on the CPU, or fp16 on a GPU (device=cuda)")
+        return dev
+    if dev.type != "cuda":
+        raise DeviceError(f"device={spec!r}: inference runs on cpu or cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise DeviceError(f"device={spec!r} but torch sees no GPU (a CPU build of torch, no driver, or "
+                          f"CUDA_VISIBLE_DEVICES empty); use device=cpu, or a CUDA build (requirements-gpu.txt)")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= count:
+        raise DeviceError(f"device={spec!r} but this machine has {count} visible GPU(s) (cuda:0..cuda:{count - 1}); "
+                          f"choose one of those")
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise DeviceError(f"bf16 on {torch.cuda.get_device_name(index)}, which has no bfloat16; use dtype fp16 or fp32")
+    return torch.device("cuda", index)
+
+
 def without_cpu_compat_mode() -> contextlib.AbstractContextManager:
     """A context in which torch calls skip the compatibility layer's TorchFunctionMode (F, G, H).
 

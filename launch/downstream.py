@@ -32,6 +32,7 @@ def parse_args(argv=None):
                    help="log-likelihoods by the cache's teacher-forced form or by decoding in the engine")
     p.add_argument("--limit", type=float, default=None, help="the first N documents of each task (or a fraction)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1")
     p.add_argument("--num-fewshot", type=int, default=None, help="examples before each document (e.g. 5 for MMLU)")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="another argument of the model class (dmc_train or hf), e.g. max_length=128")
@@ -87,7 +88,7 @@ def main(argv=None) -> None:
             checkpoint=args.checkpoint, cache=args.cache, options=key_values(args.option, "--option"),
             tasks=[t for t in args.tasks.split(",") if t], limit=limit, route=args.route, hf_dir=args.hf,
             batch_size=args.batch_size, task_dir=task_dir, model_args=key_values(args.model_arg, "--model-arg"),
-            num_fewshot=args.num_fewshot)
+            num_fewshot=args.num_fewshot, device=args.device)
         if args.hf is None:
             where = f"{args.checkpoint} (cache {args.cache}{''.join(' ' + o for o in args.option)}, {args.route})"
         else:

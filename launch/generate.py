@@ -48,9 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="another policy option, e.g. recent_fraction=0.3 (repeatable)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-bytes", default=None, help="KV page budget, e.g. 64MB (default: max-batch full-length rows)")
+    p.add_argument("--kv-bytes", default=None, help="KV page budget, e.g. 64MB (default: max-batch full-length rows, "
+                                                    "within 90%% of a GPU's free memory or 20%% of the CPU's)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"), help="default: the checkpoint's")
+    p.add_argument("--device", default="cpu", help="where the model and its cache live: cpu (default), cuda, cuda:1")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="split heads and MLP over this many ranks: run under torchrun --nproc_per_node=N (full and "
                         "dmc caches; --kv-bytes is per rank; rank 0 prints)")
@@ -140,7 +142,8 @@ def main(argv=None) -> None:
         prompts = read_prompts(args)
         engine = Engine.from_checkpoint(args.checkpoint, dtype=args.dtype, tokenizer=args.tokenizer, cache=args.cache,
                                         page_size=args.page_size, kv_bytes=args.kv_bytes, max_batch=args.max_batch,
-                                        tensor_parallel=args.tensor_parallel, **cache_options(args))
+                                        tensor_parallel=args.tensor_parallel, device=args.device,
+                                        **cache_options(args))
         if engine.model.group is not None and torch.distributed.get_rank() != 0:
             sys.stdout = open(os.devnull, "w")  # every rank samples the same tokens; rank 0 prints them
             args.json = None

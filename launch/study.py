@@ -41,11 +41,11 @@ def study_app(cfg) -> None:
         cells = study.select(preset, [cfg.cell] if cfg.cell else list(cfg.cells))
         for i, cell in enumerate(cells):
             say(f"cell {i + 1}/{len(cells)}: {cell.name}")
-            study.run_cell(cell, preset, out, say)
+            study.run_cell(cell, preset, out, say, cfg.device)
         if cfg.cell or not cfg.report:
             return
         results = study.load_cells(out, list(preset.cells))
-        speed = study_report.decode_speed(results, preset, cfg.speed_rounds, say=say)
+        speed = study_report.decode_speed(results, preset, cfg.speed_rounds, say=say, device=cfg.device)
         with open(os.path.join(out, "speed.json"), "w") as f:
             json.dump(speed, f, indent=1)
         args = [shlex.quote(a) for a in sys.argv[1:] if not a.startswith("cells=")]

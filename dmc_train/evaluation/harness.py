@@ -57,6 +57,7 @@ def teacher_forced_metrics(forward, tokens, labels, mask, prompt_len: int = 1, b
     for first in range(0, len(tokens), batch_size):
         x, y, m = (t[first: first + batch_size] for t in (tokens, labels, mask))
         logits = forward(x, prompt_len).float()
+        y, m = y.to(logits.device), m.to(logits.device)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
         total += float((loss * m.flatten()).sum())
         correct += int(((logits.argmax(-1) == y) & (m > 0)).sum())
@@ -76,7 +77,8 @@ def incremental_metrics(model, cache: str, options: dict, forward, tokens, label
     tokens / entries per KV head)."""
     from dmc_train.inference.engine import Engine
 
-    engine = Engine(model, None, cache, max_batch=len(tokens), **options)
+    engine = Engine(model, None, cache, max_batch=len(tokens), kv_bytes=Engine.kv_bytes_for(model, *tokens.shape),
+                    **options)
     got = torch.stack(teacher_forced_decode(model, engine.cache, list(tokens), [prompt_len] * len(tokens)))
     want = forward(tokens, prompt_len)
     held = [engine.cache.bytes_held(i) for i in range(len(tokens))]
@@ -86,8 +88,9 @@ def incremental_metrics(model, cache: str, options: dict, forward, tokens, label
         engine.cache.release(i)
 
     def ppl(logits):
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-        return math.exp(float((loss * mask.flatten()).sum() / mask.sum()))
+        y, m = labels.to(logits.device).flatten(), mask.to(logits.device).flatten()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y, reduction="none")
+        return math.exp(float((loss * m).sum() / m.sum()))
 
     n = tokens.numel()
     return {"sequences": len(tokens), "ppl_engine": ppl(got), "ppl_parallel": ppl(want),

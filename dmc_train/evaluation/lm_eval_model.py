@@ -51,7 +51,8 @@ class DMCTrainLM(TemplateLM):
         max_gen_toks: default generation length of ``generate_until``.
         tokenizer: a tokenizer path; default: the checkpoint's ``data.tokenizer``.
         dtype: ``fp32``, ``bf16`` or ``fp16``; default: the checkpoint's training precision.
-        device, max_batch_size: accepted from lm-eval; the model runs where the inference engine loads it.
+        device: where the model runs (``cpu``, the default, ``cuda``, ``cuda:1``).
+        max_batch_size: accepted from lm-eval (``batch_size`` bounds a batch).
         options: the cache's options (``budget``, ``schedule``, a policy's or LightCache's options).
     """
 
@@ -66,7 +67,7 @@ class DMCTrainLM(TemplateLM):
             raise ConfigError(f"route={route!r} is not known; use one of {', '.join(ROUTES)}")
         if not os.path.exists(str(checkpoint)):
             raise CheckpointError(f"checkpoint {checkpoint} does not exist; pass a checkpoint or run directory")
-        self.model, loaded = LlamaForInference.from_checkpoint(str(checkpoint), dtype)
+        self.model, loaded = LlamaForInference.from_checkpoint(str(checkpoint), dtype, device=device or "cpu")
         self.cache_name = self.model.default_cache if cache == "auto" else str(cache)
         check_cache(self.cache_name, self.model)
         if self.model.dmc is not None and self.cache_name != "dmc":
@@ -231,6 +232,6 @@ class DMCTrainLM(TemplateLM):
 
 def _continuation_score(logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
     """``(sum of log p(cont[i]), every cont[i] the argmax)`` from the logits ``[len(cont), V]`` predicting them."""
-    target = torch.tensor(cont)
+    target = torch.tensor(cont, device=logits.device)
     logprobs = F.log_softmax(logits.float(), dim=-1)
     return float(logprobs.gather(1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())

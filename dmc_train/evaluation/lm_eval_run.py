@@ -35,12 +35,14 @@ def evaluate_tasks(checkpoint: Optional[str] = None, cache: str = "auto", option
                    tasks: Sequence[str] = (TAG,), limit: Optional[float] = None, route: str = "parallel",
                    hf_dir: Optional[str] = None, batch_size: int = 8, task_dir: str = DEFAULT_DIR,
                    model_args: Optional[dict] = None, log_samples: bool = False,
-                   num_fewshot: Optional[int] = None, samples: Optional[dict[str, list[int]]] = None) -> dict:
+                   num_fewshot: Optional[int] = None, samples: Optional[dict[str, list[int]]] = None,
+                   device: str = "cpu") -> dict:
     """lm-eval's results for ``tasks`` on ``checkpoint`` (with ``cache`` and its ``options``, by ``route``) or
     on the Hugging Face directory ``hf_dir`` (lm-eval's ``hf`` model, ``trust_remote_code`` for DMC exports, the
     EOS token before an empty context and each rolling window, as the ``dmc_train`` class).
     ``limit``: the first N documents of each task (or a fraction). ``model_args``: more arguments of the model
     class. ``num_fewshot``: examples before each document (lm-eval's own tasks; the shipped ones are zero-shot).
+    ``device``: where the model runs (``cpu``, ``cuda``, ``cuda:1``).
     Returns the dict of ``lm_eval.simple_evaluate`` (``results``: ``{task: {"acc,none": ...}}``)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -66,10 +68,10 @@ def evaluate_tasks(checkpoint: Optional[str] = None, cache: str = "auto", option
                                   f"python checkpoints_tools/export_hf.py --input CKPT --output DIR")
         from lm_eval.models.huggingface import HFLM
 
-        args = {"pretrained": hf_dir, "trust_remote_code": True, "dtype": "float32", "device": "cpu",
+        args = {"pretrained": hf_dir, "trust_remote_code": True, "dtype": "float32", "device": device,
                 "batch_size": batch_size, **_eos_prefix(hf_dir), **(model_args or {})}
         return lm_eval.simple_evaluate(model=HFLM(**args), **common)
-    lm = DMCTrainLM(checkpoint, cache=cache, route=route, batch_size=batch_size, **(model_args or {}),
+    lm = DMCTrainLM(checkpoint, cache=cache, route=route, batch_size=batch_size, device=device, **(model_args or {}),
                     **(options or {}))
     return lm_eval.simple_evaluate(model=lm, **common)
 

@@ -92,7 +92,7 @@ def evaluate_with_cache(cfg: Any, ckpt: str, meta: dict) -> dict:
     from dmc_train.inference.model import LlamaForInference
 
     e = cfg.eval
-    model, _ = LlamaForInference.from_checkpoint(ckpt)
+    model, _ = LlamaForInference.from_checkpoint(ckpt, device=e.device)
     cache = model.default_cache if e.cache == "auto" else e.cache
     if cache in CACHES and model.dmc is not None and cache not in ("dmc", "full"):
         raise CheckpointError(f"eval.cache={cache} is a cache for vanilla and GQA checkpoints; {ckpt} is a DMC model "

@@ -276,8 +276,9 @@ def train_cell(cell: Cell, preset: Preset, base_dir: str, out: str, log: str, sa
     return run_dir
 
 
-def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None) -> dict:
-    """The harness's measures of ``cell`` (its run's latest checkpoint, or the base) on the test split."""
+def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None, device: str = "cpu") -> dict:
+    """The harness's measures of ``cell`` (its run's latest checkpoint, or the base) on the test split, the model
+    on ``device``."""
     from dmc_train.data.datasets import build_datasets
     from dmc_train.evaluation.harness import evaluate_cache
     from dmc_train.inference.caches import cache_budget
@@ -286,7 +287,7 @@ def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None
     from dmc_train.training.checkpoint_dirs import read_latest
 
     ckpt = read_latest(os.path.join(checkpoint_dir, "checkpoints"))
-    model, loaded = LlamaForInference.from_checkpoint(ckpt)
+    model, loaded = LlamaForInference.from_checkpoint(ckpt, device=device)
     cfg = base_config(preset)
     _, _, test = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
     cache = model.default_cache if cell.cache == "auto" else cell.cache
@@ -301,9 +302,9 @@ def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None
             "budget": cache_budget(cache, model, options), "seconds": time.perf_counter() - start, **r}
 
 
-def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = print) -> dict:
-    """Train what ``cell`` needs, evaluate it, write ``<out>/cells/<name>.json``; an existing file is returned
-    as it is (delete it to redo the cell), with the lm-eval tasks added when the preset wants them."""
+def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = print, device: str = "cpu") -> dict:
+    """Train what ``cell`` needs, evaluate it on ``device``, write ``<out>/cells/<name>.json``; an existing file is
+    returned as it is (delete it to redo the cell), with the lm-eval tasks added when the preset wants them."""
     path = cell_path(out, cell.name)
     if os.path.exists(path):
         result = read_cell(path)
@@ -317,7 +318,7 @@ def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = 
     if cell.train:
         run_dir = train_cell(cell, preset, run_dir, out, log, say)
     say(f"evaluating {cell.name} ({cell.method}, {cell.fraction:g} of the bytes)")
-    result = evaluate_cell(cell, preset, run_dir, progress=say)
+    result = evaluate_cell(cell, preset, run_dir, progress=say, device=device)
     if preset.lm_eval_limit:
         _with_lm_eval(result, preset, say)
     result["cell_seconds"] = time.perf_counter() - start

@@ -14,11 +14,11 @@ Say = Callable[[str], None]
 
 
 def decode_speed(results: list[dict], preset: Preset, rounds: int = 2, budget_seqs: int = 4,
-                 say: Say = print) -> dict[str, dict]:
+                 say: Say = print, device: str = "cpu") -> dict[str, dict]:
     """Decode tokens/s of every cell at one KV budget (``budget_seqs`` uncompressed sequences of the base),
     timed in ``rounds`` interleaved rounds in this process (medians; min and max beside them): each cell
     runs as many sequences as fit (the last 32 tokens of each sequence generated after a prompt of the
-    rest). Returns ``{cell: {batch, failed, tokens_per_s, min, max}}``."""
+    rest), the models on ``device``. Returns ``{cell: {batch, failed, tokens_per_s, min, max}}``."""
     import torch
 
     from dmc_train.data.datasets import build_datasets
@@ -32,7 +32,7 @@ def decode_speed(results: list[dict], preset: Preset, rounds: int = 2, budget_se
     models, runs = {}, {}
     for r in results:
         if r["checkpoint"] not in models:
-            models[r["checkpoint"]] = LlamaForInference.from_checkpoint(r["checkpoint"])[0]
+            models[r["checkpoint"]] = LlamaForInference.from_checkpoint(r["checkpoint"], device=device)[0]
     budget = None
     times: dict[str, list[float]] = {r["name"]: [] for r in results}
     for i in range(rounds):

@@ -127,7 +127,9 @@ class Engine:
             ``keyformer``, ``lsh_e``, ``knorm``).
         page_size: entries per page (power of two >= 16).
         kv_bytes: the K/V page budget, in bytes or a size such as ``"64MB"`` (default: room for ``max_batch``
-            sequences of the model's maximum length uncompressed); :meth:`PagePool.for_budget` makes the pool.
+            sequences of the model's maximum length uncompressed, within a share of the device's free memory:
+            :data:`~dmc_train.inference.pool.DEFAULT_MEMORY_SHARE`); :meth:`PagePool.for_budget` makes the pool on
+            the model's device.
         max_batch: most requests running at once (rows of the block table).
         max_prefill_tokens: most prompt tokens prefilled together in one forward (it bounds the activations of
             a batched prefill; a longer prompt goes alone); None: no limit.
@@ -153,7 +155,7 @@ class Engine:
                                  f"use the tokenizer the model was trained with")
         rows_per_seq = s.num_layers * s.num_kv_heads  # one pool row per (layer, KV head) of a sequence
         self.pool = PagePool.for_budget(kv_bytes, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
-                                        rows_per_seq, dtype=model.dtype)
+                                        rows_per_seq, dtype=model.dtype, device=model.device)
         self.model, self.tokenizer = model, tokenizer
         # ids past the tokenizer's (a padded embedding) are never sampled
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else s.vocab_size
@@ -170,19 +172,33 @@ class Engine:
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "max_running": 0,
                       "prefill_batches": 0, "preemptions": 0, "recomputed_tokens": 0}
 
+    @staticmethod
+    def kv_bytes_for(model: LlamaForInference, sequences: int, tokens: int, page_size: int = 16) -> int:
+        """K/V page bytes that ``sequences`` uncompressed sequences of ``tokens`` tokens hold (the most any cache
+        keeps): a ``kv_bytes`` sized to known requests."""
+        s = model.shape
+        pages = sequences * s.num_layers * s.num_kv_heads * -(-tokens // page_size)
+        return pages * PagePool.bytes_per_page(page_size, s.head_dim, model.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model, its pages and every cache's state live."""
+        return self.model.device
+
     def new_cache(self) -> KVCache:
         """A cache of the engine's kind on the engine's pool (the engine's own is ``self.cache``)."""
         return build_cache(self.cache_name, self.pool, self.model, self.cache_options)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
-                        tensor_parallel: int = 1, **kwargs) -> "Engine":
-        """An engine for a checkpoint of this project; its tokenizer is ``tokenizer`` or the run's
-        ``data.tokenizer`` when that file exists (else prompts must be token ids). ``tensor_parallel > 1``:
+                        tensor_parallel: int = 1, device: str | torch.device | None = None, **kwargs) -> "Engine":
+        """An engine for a checkpoint of this project on ``device`` (``"cpu"``, the default, ``"cuda"``,
+        ``"cuda:1"``: the model, its pages and every cache's state there); its tokenizer is ``tokenizer`` or the
+        run's ``data.tokenizer`` when that file exists (else prompts must be token ids). ``tensor_parallel > 1``:
         this torchrun rank's shard of the model, its cache over its own KV heads (docs/INFERENCE.md)."""
         from dmc_train.data.tokenizer import load_tokenizer
 
-        model, loaded = LlamaForInference.from_checkpoint(checkpoint, dtype, tensor_parallel)
+        model, loaded = LlamaForInference.from_checkpoint(checkpoint, dtype, tensor_parallel, device)
         path = tokenizer or loaded.cfg.data.tokenizer
         if tokenizer and not os.path.exists(tokenizer):
             raise InferenceError(f"tokenizer {tokenizer} does not exist; pass a sentencepiece .model file or an "

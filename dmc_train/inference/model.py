@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from dmc_train.config import RopeScalingConfig, kv_groups, rope_scaling_of
-from dmc_train.distributed import without_cpu_compat_mode
+from dmc_train.distributed import inference_device, without_cpu_compat_mode
 from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.inference.caches.base import HeadsFirst
@@ -105,18 +105,23 @@ class LlamaForInference:
     """A Llama (optionally DMC) model for generation; weights in HF ``LlamaForCausalLM`` names."""
 
     def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dmc: Optional[DMCSettings] = None,
-                 dtype: torch.dtype = torch.float32, less: Optional[LESSWeights] = None, group: Any = None):
+                 dtype: torch.dtype = torch.float32, less: Optional[LESSWeights] = None, group: Any = None,
+                 device: str | torch.device | None = None):
         """``group``: tensor parallelism's process group when ``shape`` and ``weights`` are one rank's shard
         (:mod:`~dmc_train.inference.tensor_parallel`); the attention output and MLP down projections are then
-        all-reduced over it. None: the whole model (no collective)."""
-        self.shape, self.dmc, self.dtype, self.less, self.group = shape, dmc, dtype, less, group
+        all-reduced over it. None: the whole model (no collective). ``device``: where the weights, every table and
+        every tensor a forward creates live (default: the weights' device); checked by
+        :func:`~dmc_train.distributed.inference_device` (one-line errors for a GPU that is not there, fp16 on CPU)."""
+        device = inference_device(device if device is not None else next(iter(weights.values())).device, dtype)
+        self.shape, self.dmc, self.dtype, self.group, self.device = shape, dmc, dtype, group, device
+        self.less = None if less is None else less.to(device)
         s = shape
         self.scale = 1.0 / math.sqrt(s.head_dim)
 
         def w(name):
             if name not in weights:
                 raise InferenceError(f"weight {name} is missing from the model's weights")
-            return weights[name].to(dtype)
+            return weights[name].to(device=device, dtype=dtype)
 
         biases = sorted(n for n in weights if n.endswith("_proj.bias"))
         if biases:  # never silently ignored (LightCache's key subspace also assumes k = h W_k^T)
@@ -129,7 +134,7 @@ class LlamaForInference:
         self.lm_head = self.lm_head_t.T  # [V, hidden]
         self.final_norm = w("model.norm.weight")
         self.layers = [LlamaLayer(i, w, s.head_dim, s.norm_eps) for i in range(s.num_layers)]
-        self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling)
+        self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling).to(device)
         self.rope = functools.partial(rope, inv_freq=self.inv_freq)  # rope(x [..., d], positions): the model's RoPE
         self.rotate_in_cache = dmc is not None and dmc.rope_order == "pre"
         self.head_counts = self.layers[0].heads  # (H, H_kv, H_kv) of every layer (a tensor-parallel rank's)
@@ -146,11 +151,11 @@ class LlamaForInference:
         heads' offsets ``[H_kv]`` (:meth:`_decision_rule`)."""
         hq, hk, _ = self.head_counts
         d = self.shape.head_dim
-        self.keep = torch.ones(d, dtype=dtype)
+        self.keep = torch.ones(d, dtype=dtype, device=self.device)
         self.keep[dmc.channel] = 0
         rolled = self.keep.roll(d // 2)  # 0 where the signed sine multiplies the channel
         self.rope_masks = (self.keep, torch.cat([(rolled * self.keep).expand(hq, d), rolled.expand(hk, d)]))
-        self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32)
+        self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32, device=self.device)
                                       for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0, 1.0))
         self.channel_shift = (-self.decision_scalars[0]).expand(hk)  # k - c0 (alpha_logit)
 
@@ -162,13 +167,15 @@ class LlamaForInference:
 
     # -- loading ----------------------------------------------------------------------------------
     @classmethod
-    def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None,
-                        tensor_parallel: int = 1) -> tuple["LlamaForInference", Any]:
+    def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None, tensor_parallel: int = 1,
+                        device: str | torch.device | None = None) -> tuple["LlamaForInference", Any]:
         """A checkpoint of this project (any saved TP/PP layout) -> ``(model, saved)``; ``saved`` is the
         :class:`~dmc_train.training.model_state.SavedRun` (config, checkpoint, meta). DMC and Fixed Memory
         Pooling checkpoints get their :class:`DMCSettings`. The weights are read from the files in this
         process: no megatron model; at ``tensor_parallel=1`` no process group and no environment variable set.
-        ``tensor_parallel > 1`` (under torchrun, one process per rank): this rank's shard, over a gloo group."""
+        ``tensor_parallel > 1`` (under torchrun, one process per rank): this rank's shard, over a gloo group.
+        ``device``: where the model runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``; default CPU: the files are read
+        there)."""
         from dmc_train.inference import tensor_parallel as tp
         from dmc_train.methods import METHODS
         from dmc_train.methods.configs import dmc_settings
@@ -185,10 +192,13 @@ class LlamaForInference:
             dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))
         torch_dtype = DTYPES[dtype or loaded.cfg.train.precision]
         tp.check(shape, tensor_parallel, dmc, less)
+        if tensor_parallel > 1 and inference_device(device or "cpu").type != "cpu":
+            raise InferenceError(f"tensor_parallel={tensor_parallel} runs on CPU processes (gloo); on a GPU use "
+                                 f"tensor_parallel=1")
         rank, group = tp.start(tensor_parallel)
         if group is not None:
             weights, shape = tp.shard_weights(weights, shape, rank, tensor_parallel)
-        return cls(shape, weights, dmc, torch_dtype, less, group), loaded
+        return cls(shape, weights, dmc, torch_dtype, less, group, device), loaded
 
     # -- decisions --------------------------------------------------------------------------------
     def _decision_rule(self, positions: torch.Tensor):
@@ -342,8 +352,8 @@ class LlamaForInference:
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` without a cache (DMC: hard decisions)."""
-        self.check_tokens(tokens)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        tokens = self.check_tokens(tokens)
+        positions = self._positions(tokens)
 
         def attend(layer, q, k, v, info):
             if self.dmc is None:
@@ -368,8 +378,8 @@ class LlamaForInference:
             raise InferenceError(f"the {scorer.name!r} policy runs on vanilla and GQA models, not on DMC ones")
         if hasattr(scorer, "parallel_attention"):  # a policy with its own parallel form on raw q, k (LightCache)
             return self.forward_with_attention(tokens, scorer.parallel_attention, raw_qk=True)
-        self.check_tokens(tokens)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        tokens = self.check_tokens(tokens)
+        positions = self._positions(tokens)
 
         def attend(layer, q, k, v, info):
             run = run_policy(scorer, q, k, v, budget, layer, prompt_len, horizon)
@@ -389,8 +399,8 @@ class LlamaForInference:
         ``attend(layer, q [b, H, n, d], k [b, H_kv, n, d], v, info) -> [b, H, n, d_v]``. ``raw_qk``: q and k
         arrive before RoPE and ``info.rotate(x, positions)`` applies it (an attention that numbers positions
         itself); the sequence may then be longer than the model's positions."""
-        self.check_tokens(tokens, bounded=not raw_qk)
-        return self._run(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attend, raw_qk)
+        tokens = self.check_tokens(tokens, bounded=not raw_qk)
+        return self._run(tokens, self._positions(tokens), attend, raw_qk)
 
     @torch.no_grad()
     def prefill(self, cache: KVCache, seq_id: int, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
@@ -398,12 +408,12 @@ class LlamaForInference:
         ``cache.prefill_chunk``); logits ``[n, V]`` (``last_only``: the last token's, ``[1, V]``: the LM head
         runs on it alone, as generation needs)."""
         raw = cache.rope_in_cache
-        self.check_tokens(tokens[None], bounded=not raw)
+        tokens = self.check_tokens(tokens[None], bounded=not raw)[0]
         self.check_cache_type(cache)
         chunk = cache.prefill_chunk or len(tokens)
-        logits = [self._run(tokens[None, i: i + chunk], torch.arange(i, min(i + chunk, len(tokens)))[None],
+        logits = [self._run(tokens[None, i: i + chunk], self._positions(tokens[None, i: i + chunk], i),
                             lambda layer, q, k, v, info: cache.prefill(layer, seq_id, q, k, v, info), raw,
-                            torch.tensor([-1]) if last_only else None)[0]
+                            torch.tensor([-1], device=self.device) if last_only else None)[0]
                   for i in range(0, len(tokens), chunk)]
         return logits[-1] if last_only else torch.cat(logits)
 
@@ -418,12 +428,12 @@ class LlamaForInference:
         that takes prompts in chunks or numbers positions itself gets them one at a time."""
         if cache.prefill_chunk is not None or cache.rope_in_cache or len(prompts) == 1:
             return [self.prefill(cache, s, p, last_only) for s, p in zip(seq_ids, prompts)]
-        for p in prompts:
-            self.check_tokens(p[None])
+        prompts = [self.check_tokens(p[None])[0] for p in prompts]
         self.check_cache_type(cache)
         lens = [len(p) for p in prompts]
-        positions = torch.cat([torch.arange(n) for n in lens])[None]
-        last = torch.tensor(lens).cumsum(0) - 1 if last_only else None  # [B]: each prompt's last token
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])[None]
+        # [B]: each prompt's last token
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1 if last_only else None
         logits = self._run(torch.cat(prompts)[None], positions,
                            lambda layer, q, k, v, info: cache.prefill_varlen(layer, seq_ids, q, k, v, info, lens),
                            logits_at=last)
@@ -434,6 +444,7 @@ class LlamaForInference:
         """One token per sequence: ``tokens [B]`` at ``positions [B]``; logits ``[B, V]``. The layers' rows are the
         sequences, so q, k, v reach ``cache.decode`` in its layout ``[B, heads, d]`` as they are computed."""
         self.check_cache_type(cache)
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         rotate = self.rope if self.rotate_in_cache or cache.rope_in_cache else None
 
         def attention(layer, q, k, v, alpha, omega):  # q contiguous: a cache views it as [B H_kv, G, d]
@@ -453,9 +464,13 @@ class LlamaForInference:
             cache.end_decode()
 
     # -- checks -----------------------------------------------------------------------------------
-    def check_tokens(self, tokens: torch.Tensor, bounded: bool = True) -> None:
-        """One-line errors for an empty sequence, ids outside the vocabulary, and (``bounded``) more tokens
-        than the model's positions."""
+    def _positions(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Positions ``[b, n]`` of ``tokens [b, n]`` that start at ``start``, on the model's device."""
+        return torch.arange(start, start + tokens.shape[1], device=self.device).expand_as(tokens)
+
+    def check_tokens(self, tokens: torch.Tensor, bounded: bool = True) -> torch.Tensor:
+        """``tokens`` on the model's device; one-line errors for an empty sequence, ids outside the vocabulary, and
+        (``bounded``) more tokens than the model's positions."""
         n = tokens.shape[-1]
         if n == 0:
             raise InferenceError("the prompt is empty: give at least one token")
@@ -465,6 +480,7 @@ class LlamaForInference:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.shape.vocab_size:
             raise InferenceError(f"token ids must be in [0, {self.shape.vocab_size}); got "
                                  f"[{int(tokens.min())}, {int(tokens.max())}]")
+        return tokens.to(self.device)
 
     def check_cache_type(self, cache: type[KVCache] | KVCache) -> None:
         if cache.needs_decisions and self.dmc is None:

@@ -30,11 +30,24 @@ from kernels.paged import (
 )
 
 MIN_PAGE_SIZE = 16
+# The default K/V budget (``kv_bytes=None``): at most this share of the device's free memory when the pool is made
+# (on a GPU, what the weights left free; on the CPU, the memory available to new processes), and never more than
+# every row at the model's maximum positions.
+DEFAULT_MEMORY_SHARE = {"cuda": 0.9, "cpu": 0.2}
 
 
 def check_page_size(page_size: int) -> None:
     if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
         raise InferenceError(f"page_size={page_size} must be a power of two >= {MIN_PAGE_SIZE} (e.g. 16, 32, 256)")
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now: the GPU's free memory, or the memory available to new processes on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 class PageLoan(NamedTuple):
@@ -76,12 +89,19 @@ class PagePool:
                    rows_per_seq: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    value_dim: int | None = None) -> "PagePool":
         """The pool whose K/V pages fit in ``kv_bytes`` (bytes, or a size such as ``"64MB"``; None: every one
-        of ``max_rows`` rows can hold ``max_entries`` entries). A one-line error when it would not hold one
-        page for each of the ``rows_per_seq`` rows of a sequence."""
+        of ``max_rows`` rows can hold ``max_entries`` entries, within :data:`DEFAULT_MEMORY_SHARE` of the device's
+        free memory). A one-line error when it would not hold one page for each of the ``rows_per_seq`` rows of a
+        sequence."""
         check_page_size(page_size)
+        device = torch.device(device)
         page_bytes = cls.bytes_per_page(page_size, head_dim, dtype, value_dim)
         if kv_bytes is None:
-            num_pages = max_rows * -(-max_entries // page_size)
+            share = DEFAULT_MEMORY_SHARE[device.type]
+            num_pages = min(max_rows * -(-max_entries // page_size), int(share * free_memory(device)) // page_bytes)
+            if num_pages < rows_per_seq:
+                raise InferenceError(f"{share:.0%} of the {free_memory(device) / 2**30:.2f} GiB free on {device} holds "
+                                     f"fewer than one KV page per KV head per layer ({rows_per_seq}); free memory or "
+                                     f"pass kv_bytes")
         else:
             num_pages = parse_size(kv_bytes, "kv_bytes") // page_bytes
         if num_pages < rows_per_seq:
@@ -96,6 +116,10 @@ class PagePool:
         return page_size * (head_dim + (value_dim or head_dim)) * dtype.itemsize
 
     # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
+
     @property
     def num_pages(self) -> int:
         return self.k_pages.shape[0]
@@ -127,7 +151,7 @@ class PagePool:
         if count > len(self.free_row_ids):
             raise OutOfPages(f"the block table has {len(self.free_row_ids)} free rows, {count} needed; "
                              f"raise the engine's max_batch")
-        return torch.tensor([self.free_row_ids.pop() for _ in range(count)], dtype=torch.long)
+        return torch.tensor([self.free_row_ids.pop() for _ in range(count)], dtype=torch.long, device=self.device)
 
     def free_rows(self, rows: torch.Tensor) -> None:
         """Return ``rows`` and their pages to the free lists."""
@@ -162,8 +186,9 @@ class PagePool:
             pages = self.free_pages[: -needed - 1: -1]
             del self.free_pages[-needed:]
             first = (extra.cumsum(0) - extra).repeat_interleave(extra)  # where each row's new pages start
-            index = have.repeat_interleave(extra) + torch.arange(needed) - first
-            self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32)
+            index = have.repeat_interleave(extra) + torch.arange(needed, device=self.device) - first
+            self.block_table[rows.repeat_interleave(extra), index] = torch.tensor(pages, dtype=torch.int32,
+                                                                                  device=self.device)
             self.peak_pages = max(self.peak_pages, self.used_pages)
         self.seq_lens[rows] = new_lens.to(torch.int32)
 
@@ -202,7 +227,7 @@ class PagePool:
     def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All entries of one row: ``(k [len, d], v [len, d_v])`` (tests and inspection)."""
         n = int(self.seq_lens[row])
-        page, offset = self.locate(torch.full((n,), row), torch.arange(n))
+        page, offset = self.locate(torch.full((n,), row, device=self.device), torch.arange(n, device=self.device))
         return self.k_pages[page, offset], self.v_pages[page, offset]
 
     def attend(self, rows: torch.Tensor, q: torch.Tensor, scale: float, scores: str | None = None,

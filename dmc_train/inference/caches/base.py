@@ -109,6 +109,7 @@ class KVCache:
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float):
         self.pool, self.num_layers, self.num_kv_heads, self.scale = pool, num_layers, num_kv_heads, scale
+        self.device = pool.device  # every tensor of the cache's state lives beside the pages
         self.rows: dict[int, torch.Tensor] = {}
         self._batch_key, self._batch_rows = None, None
         self._step_rows = None  # (batch rows, rows [layers, B * H_kv]) while the batch is unchanged (step_rows)

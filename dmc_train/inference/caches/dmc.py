@@ -68,11 +68,11 @@ class DMCCache(KVCache):
         self.ring = settings.window if settings.accumulation == "window" else 1
         rows, d, dv = pool.block_table.shape[0], pool.k_pages.shape[-1], pool.v_pages.shape[-1]
         # [rows, ring, d + d_v + 1]: the layout of kernels.paged.dmc_cache_update; open_k, open_v, open_w are views
-        self.open_state = torch.zeros(rows, self.ring, d + dv + 1)
+        self.open_state = torch.zeros(rows, self.ring, d + dv + 1, device=self.device)
         self.open_k = self.open_state[..., :d]  # omega-weighted keys of the open segment (exact: their sum)
         self.open_v = self.open_state[..., d:-1]
         self.open_w = self.open_state[..., -1]  # their omegas (exact: z)
-        self.open_tokens = torch.zeros(rows, dtype=torch.long)  # tokens in the open segment
+        self.open_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # tokens in the open segment
 
     def state_bytes(self, seq_id: int) -> int:
         per_row = sum(t[0].nbytes for t in (self.open_k, self.open_v, self.open_w, self.open_tokens))

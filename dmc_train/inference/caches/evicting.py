@@ -103,12 +103,13 @@ class EvictingCache(KVCache):
         self.evicting = scorer.cfg.schedule == "decode"
         rows = pool.block_table.shape[0]
         width = budget if self.evicting else 0  # the prefill schedule keeps no state past the prompt
-        self._positions = torch.full((rows, width), -1, dtype=torch.int32)
-        self._scores = torch.zeros(rows, width)
-        self._codes = torch.zeros(rows, width, -(-scorer.code_bits // 8), dtype=torch.uint8)
-        self.prompt_len = torch.zeros(rows, dtype=torch.int32)
-        self.horizon = torch.zeros(rows, dtype=torch.int32)
-        self._layer_ids = torch.arange(num_layers)[:, None, None]  # Step.layer of every layer's entries at once
+        on = {"device": self.device}
+        self._positions = torch.full((rows, width), -1, dtype=torch.int32, **on)
+        self._scores = torch.zeros(rows, width, **on)
+        self._codes = torch.zeros(rows, width, -(-scorer.code_bits // 8), dtype=torch.uint8, **on)
+        self.prompt_len = torch.zeros(rows, dtype=torch.int32, **on)
+        self.horizon = torch.zeros(rows, dtype=torch.int32, **on)
+        self._layer_ids = torch.arange(num_layers, **on)[:, None, None]  # Step.layer of every layer's entries at once
 
     positions = property(lambda self: self._current("_positions"), doc="``[rows, budget]`` int32: each entry's token "
                          "position, -1 empty (the running rows' written back first, :meth:`row_state`)")
@@ -210,7 +211,8 @@ class EvictingCache(KVCache):
             return self._prefill_prompts(layer, seq_ids, qg, kg, vg).transpose(0, 1).reshape(1, q.shape[1], b * n, -1)
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         for n, group in by_len.items():
-            tokens = torch.tensor([starts[i] for i in group])[:, None] + torch.arange(n)  # [b, n] in the packed axis
+            first = torch.tensor([starts[i] for i in group], device=q.device)
+            tokens = first[:, None] + torch.arange(n, device=q.device)  # [b, n] in the packed axis
             qg, kg, vg = (x[0][:, tokens].transpose(0, 1) for x in (q, k, v))  # [b, heads, n, d]
             out[0][:, tokens] = self._prefill_prompts(layer, [seq_ids[i] for i in group], qg, kg, vg).transpose(0, 1)
         return out
@@ -229,17 +231,17 @@ class EvictingCache(KVCache):
         keep, fixed = prompt_keep(self.scorer, self.budget, p)
         kept = compress_prompt(self.scorer, scores, keep, fixed, h)  # [N, keep] positions
         k, v = k.reshape(n, p, -1), v.reshape(n, p, -1)
-        each = torch.arange(n)[:, None].expand(-1, keep)
+        each = torch.arange(n, device=self.device)[:, None].expand(-1, keep)
         if self.wants_evicted and keep < p:  # every row drops p - keep entries
-            dropped = torch.ones(n, p, dtype=torch.bool)
+            dropped = torch.ones(n, p, dtype=torch.bool, device=self.device)
             dropped[each, kept] = False
             rr, jj = dropped.nonzero(as_tuple=True)
             self.absorb(layer, self.row_state(), rows, k[rr, jj].view(b, h, p - keep, -1),
                         v[rr, jj].view(b, h, p - keep, -1))
         self.pool.grow(rows, torch.full_like(rows, keep))
         k_kept = k[each, kept]  # [N, keep, d]
-        self.pool.write(rows.repeat_interleave(keep), torch.arange(keep).repeat(n), k_kept.reshape(n * keep, -1),
-                        v[each, kept].reshape(n * keep, -1))
+        self.pool.write(rows.repeat_interleave(keep), torch.arange(keep, device=self.device).repeat(n),
+                        k_kept.reshape(n * keep, -1), v[each, kept].reshape(n * keep, -1))
         self.prompt_len[rows] = p
         if self.evicting:
             state = self.row_state()
@@ -337,7 +339,7 @@ class EvictingCache(KVCache):
         they are computed again only when the batch's rows (:meth:`batch_rows`) were stacked again."""
         batch = self._batch_rows
         if self._facts is None or self._facts[0] is not batch:
-            heads = torch.arange(self.num_kv_heads).repeat(len(rows) // self.num_kv_heads)
+            heads = torch.arange(self.num_kv_heads, device=self.device).repeat(len(rows) // self.num_kv_heads)
             self._facts = (batch, heads, self.prompt_len[rows].long(), self.horizon[rows].long())
         return self._facts[1:]
 
@@ -380,9 +382,10 @@ class EvictingCache(KVCache):
             if self.evicting:
                 self._policy_step(step, layer, positions)
                 if step.slots is None:  # chosen layer by layer, from the queries
-                    step.slots, step.choosing = torch.empty(len(step.layers), len(step.lens), dtype=torch.long), True
+                    step.slots, step.choosing = torch.empty(len(step.layers), len(step.lens), dtype=torch.long,
+                                                             device=self.device), True
                 if self.scorer.attention is not None:  # zeros: a layer whose call failed adds nothing
-                    step.scores = torch.zeros(len(step.layers), len(step.lens), self.budget)
+                    step.scores = torch.zeros(len(step.layers), len(step.lens), self.budget, device=self.device)
         index = step.layers.index(layer)
         if step.choosing:
             return HeadsFirst(functools.partial(self._choose_from_heads, step, index, num_heads))

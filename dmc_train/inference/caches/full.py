@@ -37,7 +37,7 @@ class FullCache(KVCache):
         n = k.shape[2]
         rows = self.rows[seq_id][layer]
         self.pool.grow(rows, torch.full_like(rows, n))
-        pos = torch.arange(n).repeat(self.num_kv_heads)
+        pos = torch.arange(n, device=self.device).repeat(self.num_kv_heads)
         self.pool.write(rows.repeat_interleave(n), pos, k[0].reshape(-1, k.shape[-1]), v[0].reshape(-1, v.shape[-1]))
         return causal_attention(q, k, v, self.scale)
 
@@ -45,7 +45,7 @@ class FullCache(KVCache):
         """Every sequence's rows grown and written at once (one ``grow``, one ``write``); causal attention
         within each sequence."""
         rows = torch.stack([self.rows[s][layer] for s in seq_ids])  # [B, H_kv]
-        n = torch.tensor(lens)
+        n = torch.tensor(lens, device=self.device)
         self.pool.grow(rows.flatten(), n.repeat_interleave(self.num_kv_heads))
         token_rows = rows.repeat_interleave(n, dim=0).T.flatten()  # [H_kv * T]: head-major, as k[0] flattens
         self.pool.write(token_rows, info.positions[0].repeat(self.num_kv_heads), k[0].reshape(-1, k.shape[-1]),

@@ -39,6 +39,11 @@ class LESSWeights:
     options: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
 
+    def to(self, device: torch.device) -> "LESSWeights":
+        """These weights with the kernels' tensors on ``device``."""
+        layers = [{name: t.to(device) for name, t in layer.items()} for layer in self.layers]
+        return LESSWeights(self.policy, self.budget, self.options, layers)
+
     @property
     def rank(self) -> int:
         return self.layers[0]["q2"].shape[-1]
@@ -65,8 +70,8 @@ class LESSCache(EvictingCache):
         super().__init__(pool, num_layers, num_kv_heads, scale, scorer, budget, context)
         self.weights, self.name = weights, "less"
         rows, dv = pool.block_table.shape[0], pool.v_pages.shape[-1]
-        self._H = torch.zeros(rows, weights.rank, dv)
-        self._z = torch.zeros(rows, weights.rank)
+        self._H = torch.zeros(rows, weights.rank, dv, device=self.device)
+        self._z = torch.zeros(rows, weights.rank, device=self.device)
 
     H = property(lambda self: self._current("_H"), doc="``[rows, rank, d_v]`` fp32: each row's absorbed pairs")
     z = property(lambda self: self._current("_z"), doc="``[rows, rank]`` fp32: their normaliser")

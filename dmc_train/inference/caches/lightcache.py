@@ -70,8 +70,8 @@ class PackedPages:
         (self.in_k, self.kk, self.kv), (in_v, self.vk, self.vv) = halves  # entries, keys, values of each half
         self.per_page = self.in_k + in_v
         rows = pool.block_table.shape[0]
-        self.table = torch.full((rows, 1), -1, dtype=torch.int32)
-        self.lens = torch.zeros(rows, dtype=torch.long)
+        self.table = torch.full((rows, 1), -1, dtype=torch.int32, device=pool.device)
+        self.lens = torch.zeros(rows, dtype=torch.long, device=pool.device)
 
     def pages_for(self, lens: torch.Tensor) -> torch.Tensor:
         return (lens + self.per_page - 1) // self.per_page
@@ -88,12 +88,13 @@ class PackedPages:
                              f"{pool.num_pages}")
         if need.numel() and int(need.max()) > self.table.shape[1]:
             wider = torch.full((self.table.shape[0], max(2 * self.table.shape[1], int(need.max()))), -1,
-                               dtype=torch.int32)
+                               dtype=torch.int32, device=pool.device)
             wider[:, : self.table.shape[1]] = self.table
             self.table = wider
         for r, a, b in zip(rows.tolist(), have.tolist(), need.tolist()):
             if b > a:
-                self.table[r, a:b] = torch.tensor([pool.free_pages.pop() for _ in range(b - a)], dtype=torch.int32)
+                self.table[r, a:b] = torch.tensor([pool.free_pages.pop() for _ in range(b - a)], dtype=torch.int32,
+                                                  device=pool.device)
         pool.peak_pages = max(pool.peak_pages, pool.used_pages)
         self.lens[rows] = new_lens
 
@@ -156,14 +157,15 @@ class PagedLightCache(KVCache):
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
         rows, hk = self.rows[seq_id][layer], self.num_kv_heads
-        out = self._block(layer, rows, torch.arange(hk), q[0].reshape(hk, -1, *q.shape[2:]), k[0], v[0], info)
+        heads = torch.arange(hk, device=self.device)
+        out = self._block(layer, rows, heads, q[0].reshape(hk, -1, *q.shape[2:]), k[0], v[0], info)
         return out.reshape(1, -1, *out.shape[2:])
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         b, h, d = q.shape
         hk = self.num_kv_heads
         rows = self.layer_rows(layer, seq_ids).flatten()
-        out = self._block(layer, rows, torch.arange(hk).repeat(b), q.reshape(b * hk, h // hk, 1, d),
+        out = self._block(layer, rows, torch.arange(hk, device=self.device).repeat(b), q.reshape(b * hk, h // hk, 1, d),
                           k.reshape(b * hk, 1, d), v.reshape(b * hk, 1, -1), info)
         return out.view(b, h, -1)
 
@@ -184,7 +186,7 @@ class PagedLightCache(KVCache):
         # tokens leaving the local window in this block: compressed once, appended to the packed pages
         fresh = int((c1 - c0).max())
         if fresh:
-            j = torch.arange(fresh)
+            j = torch.arange(fresh, device=self.device)
             ok = j < (c1 - c0)[:, None]
             packed.extend(rows, c1)
             r = rows[:, None].expand(-1, fresh)
@@ -202,18 +204,18 @@ class PagedLightCache(KVCache):
         pool = self.pool
         n, t = k.shape[:2]
         recent_start = (t0 - loc).clamp(min=glob)
-        slot = torch.arange(glob + loc)  # context slots holding old tokens: position, then pool slot
+        slot = torch.arange(glob + loc, device=self.device)  # context slots of old tokens: position, then pool slot
         position = torch.where(slot < glob, slot, recent_start[:, None] + slot - glob)
         old = position < torch.where(slot < glob, t0.clamp(max=glob)[:, None], t0[:, None])
         pool_slot = torch.where(position < glob, position, glob + (position - glob) % loc)
         page, offset = pool.locate(rows[:, None], pool_slot.masked_fill(~old, 0))  # pages of -1: masked below
-        ctx_k = torch.zeros(n, glob + loc + t, k.shape[-1], dtype=k.dtype)
-        ctx_v = torch.zeros(n, glob + loc + t, v.shape[-1], dtype=v.dtype)
+        ctx_k = k.new_zeros(n, glob + loc + t, k.shape[-1])
+        ctx_v = v.new_zeros(n, glob + loc + t, v.shape[-1])
         ctx_k[:, : glob + loc] = torch.where(old[..., None], pool.k_pages[page, offset], 0)
         ctx_v[:, : glob + loc] = torch.where(old[..., None], pool.v_pages[page, offset], 0)
-        new = t0[:, None] + torch.arange(t)  # [N, T]
+        new = t0[:, None] + torch.arange(t, device=self.device)  # [N, T]
         at = torch.where(new < glob, new, glob + new - recent_start[:, None])
-        r = torch.arange(n)[:, None]
+        r = torch.arange(n, device=self.device)[:, None]
         ctx_k[r, at], ctx_v[r, at] = k, v
         return Context(ctx_k, ctx_v, recent_start, None, None)
 
@@ -222,7 +224,7 @@ class PagedLightCache(KVCache):
         s, pool = self.settings, self.pool
         glob, loc = s.global_, s.local
         t = k.shape[1]
-        u = t0[:, None] + torch.arange(t)  # [N, T]
+        u = t0[:, None] + torch.arange(t, device=self.device)  # [N, T]
         keep = (u < glob) | (u >= t0[:, None] + t - loc)
         slot = torch.where(u < glob, u, glob + (u - glob) % loc)
         pool.grow(rows, new_held)
