@@ -8,9 +8,9 @@ low-rank state). The model calls, per layer:
     out = cache.prefill_varlen(layer, seq_ids, q, k, v, info, lens)   # several new ones, packed without padding
     out = cache.decode(layer, seq_ids, q, k, v, info)     # one new token for each of B sequences
 
-and around a decode step's layers ``cache.begin_decode(seq_ids)`` / ``cache.end_decode()``: a cache may do there,
+and around a decode step's layers ``cache.begin_decode(seq_ids)`` / ``cache.end_decode()``: a cache does there,
 once per step, what every layer's ``decode`` shares (the full cache grows all its rows and plans the paged
-attention once; ``decode`` without them works alike, per layer).
+attention once); ``decode`` runs only inside a step begun for its sequences.
 
 Layouts: prefill ``q [1, H, n, d]``, ``k [1, H_kv, n, d]``, ``v [1, H_kv, n, d_v]`` -> ``[1, H, n, d_v]``;
 decode ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``; varlen prefill: the
@@ -146,6 +146,16 @@ class KVCache:
     def end_decode(self) -> None:
         """The decode step ended (or failed): drop what :meth:`begin_decode` prepared."""
 
+    _step: Any = None  # the decode step begun (a cache's own type, with ``seq_ids``)
+
+    def _step_of(self, seq_ids: list[int]) -> Any:
+        """The decode step :meth:`begin_decode` began for ``seq_ids``: a layer's :meth:`decode` runs inside one."""
+        step = self._step
+        if step is None or step.seq_ids != tuple(seq_ids):
+            raise InferenceError(f"decode of sequences {list(seq_ids)} outside a step begun for them "
+                                 f"(LlamaForInference.decode begins and ends it)")
+        return step
+
     def compiled_attention(self, layer: int, num_heads: int, positions: torch.Tensor):
         """Layer ``layer``'s work in the decode step begun as a compiled function that the layer's kernel calls
         between its projection and its output (:class:`kernels.layer.CompiledAttention`, over the ``num_heads``
@@ -215,12 +225,6 @@ class KVCache:
     def layer_rows(self, layer: int, seq_ids: list[int]) -> torch.Tensor:
         """Rows ``[B, H_kv]`` of ``layer`` for ``seq_ids``."""
         return self.batch_rows(seq_ids)[:, layer]
-
-    def attend_paged(self, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """Decode attention of ``q [B, H, d]`` over ``rows [B, H_kv]`` -> ``[B, H, d_v]``."""
-        b, h, d = q.shape
-        out = self.pool.attend(rows.flatten(), q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d), self.scale)
-        return out.view(b, h, -1)
 
     # -- what is held -----------------------------------------------------------------------------
     def entries(self, seq_id: int) -> torch.Tensor:

@@ -134,18 +134,8 @@ class DMCCache(KVCache):
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         """One token per sequence: Algorithm 1 on each row's open slot, which grows the appending rows by one entry,
         then the attention over them (:func:`kernels.paged.dmc_decode`; ``rope_order=pre``: the update, the open
-        slot's entry rotated, then the attention). Outside a step begun by :meth:`begin_decode` the layer lends
-        its own pages: the same results."""
-        step = self._step
-        if step is None:
-            rows = self.layer_rows(layer, seq_ids).flatten()
-            loan = self.lend_step_pages(rows)
-            try:
-                return self._decode_rows(rows, loan, q, k, v, info)
-            finally:
-                self.pool.settle(loan)
-        if step.seq_ids != tuple(seq_ids):
-            raise InferenceError(f"decode of sequences {list(seq_ids)} inside the step of {list(step.seq_ids)}")
+        slot's entry rotated, then the attention), with the pages the step begun lent."""
+        step = self._step_of(seq_ids)
         return self._decode_rows(step.rows[layer], step.loan, q, k, v, info)
 
     def _decode_rows(self, rows, loan: PageLoan, q, k, v, info: TokenInfo) -> torch.Tensor:

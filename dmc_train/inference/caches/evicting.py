@@ -49,28 +49,26 @@ class DecodeStep:
     entries, then one more per step until the budget), so the lengths, the rows at their budget and the
     attention plan are the same for all layers.
 
-    - ``layers``: the layers the step covers (all, or the one layer of a :meth:`~EvictingCache.decode` called
-      without ``begin_decode``); ``rows [len(layers), N]`` (``N = B * H_kv``, ordered [sequence, KV head]);
+    - ``rows [layers, N]``: every layer's rows (``N = B * H_kv``, ordered [sequence, KV head]);
     - ``lens [N]`` int64: entries before the step, ``new_lens [N]`` after it; ``full [N]`` bool: rows at their
       budget, which overwrite a victim (the others append at ``lens``); ``n_full``: how many (host);
       ``full_rows``: their indices ``[n_full]`` when only some are full and the cache absorbs what it evicts (LESS);
     - ``plan``: the attention plan over the lengths after the step, for every layer of ``rows`` (built by the first
       layer that attends through :meth:`~EvictingCache.attend`);
-    - ``state``: the per-row state of ``rows``, gathered once (name -> ``[len(layers), N, ...]``; or the last step's,
+    - ``state``: the per-row state of ``rows``, gathered once (name -> ``[layers, N, ...]``; or the last step's,
       held for an unchanged batch) and held or written back by :meth:`~EvictingCache.end_decode`;
     - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
-    - ``slots [len(layers), N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
+    - ``slots [layers, N]``: the entry each row writes (its victim or ``lens``) and ``flat``: its flat page
       slot, for every layer at once when the policy's priority does not read the query (else None: chosen
       layer by layer); ``recorded``: the new token's position (and zero score) already recorded in every layer's
       state at once (:func:`~dmc_train.policies.base.record_token`), only what reads the keys left per layer;
     - ``call``: the layers' write and attention as a compiled function (:meth:`~EvictingCache.compiled_attention`;
-      False where it does not run), ``scores [len(layers), N, budget]``: the per-entry scores its calls write for
-      the policy, ``compiled``: the indices (into ``layers``) of the layers it ran, whose policy update waits for
+      False where it does not run), ``scores [layers, N, budget]``: the per-entry scores its calls write for
+      the policy, ``compiled``: the layers it ran, whose policy update waits for
       :meth:`~EvictingCache.end_decode`; ``choosing``: ``slots`` filled layer by layer as the compiled calls choose
       them from each layer's query."""
 
     seq_ids: tuple
-    layers: list[int]
     rows: torch.Tensor
     lens: torch.Tensor
     new_lens: torch.Tensor
@@ -134,7 +132,7 @@ class EvictingCache(KVCache):
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
     _step: Optional[DecodeStep] = None  # the decode step begun
     _facts: Optional[tuple] = None  # (batch rows, heads, prompt_len, horizon) of the running batch (_row_facts)
-    _full_plan: Optional[tuple] = None  # (batch rows, layers, plan) of the last step whose rows were all full (_plan)
+    _full_plan: Optional[tuple] = None  # (batch rows, plan) of the last step whose rows were all full (_plan)
     _call: Optional[tuple] = None  # (query heads, the compiled write and attention) (_compiled_call)
     _held: Optional[tuple] = None  # (rows, state) of the last step, not yet written back (_finish)
 
@@ -175,21 +173,21 @@ class EvictingCache(KVCache):
         per-row state, :meth:`row_state`: the cache's own tensors, or a decode step's gathered ones; ``where``
         None: all of its rows, in order)."""
 
-    def attend(self, step: DecodeStep, index: int, q: torch.Tensor, scores: Optional[str], append=None):
-        """Paged attention of ``q [B, H, d]`` over the rows of layer ``step.layers[index]``: ``(out [B * H_kv,
+    def attend(self, step: DecodeStep, layer: int, q: torch.Tensor, scores: Optional[str], append=None):
+        """Paged attention of ``q [B, H, d]`` over the rows of layer ``layer``: ``(out [B * H_kv,
         G, d_v], per-entry scores [B * H_kv, L] or None)``; ``append`` ``(k, v, flat slots)``: each row's new entry,
         written first (:meth:`PagePool.attend_planned`)."""
         b, h, d = q.shape
         q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
         plan = self.step_plan(step)
         if scores is None:
-            return self.pool.attend_planned(plan, q, self.scale, index=index, append=append), None
-        return self.pool.attend_planned(plan, q, self.scale, index=index, scores=scores, append=append)
+            return self.pool.attend_planned(plan, q, self.scale, index=layer, append=append), None
+        return self.pool.attend_planned(plan, q, self.scale, index=layer, scores=scores, append=append)
 
     def step_plan(self, step: DecodeStep) -> DecodePlan:
         """The attention plan of ``step``'s rows, built once (by the first layer that attends through it)."""
         if step.plan is None:
-            step.plan = self._plan(step.rows, step.layers, step.new_lens, step.n_full)
+            step.plan = self._plan(step.rows, step.new_lens, step.n_full)
         return step.plan
 
     # -- the model's calls ------------------------------------------------------------------------
@@ -254,7 +252,7 @@ class EvictingCache(KVCache):
     def begin_decode(self, seq_ids):
         """Once for all layers: the rows below their budget (every row, with the prefill schedule) grow by one
         entry, the attention plan is built, and the per-row state is gathered (:class:`DecodeStep`)."""
-        self._step = self._prepare(seq_ids, list(range(self.num_layers)))
+        self._step = self._prepare(seq_ids)
 
     def end_decode(self):
         """Write back the per-row state the step updated (also after a failure: what the layers that ran
@@ -263,12 +261,9 @@ class EvictingCache(KVCache):
         if step is not None:
             self._finish(step)
 
-    def _prepare(self, seq_ids: list[int], layers: list[int]) -> DecodeStep:
-        """The :class:`DecodeStep` of ``layers`` for ``seq_ids``: grows their rows (one ``grow``), plans the
-        attention, gathers the state."""
+    def _prepare(self, seq_ids: list[int]) -> DecodeStep:
+        """The :class:`DecodeStep` of ``seq_ids``: grows their rows (one ``grow``), gathers the state."""
         rows = self.step_rows(seq_ids)  # [layers, B * H_kv]
-        if len(layers) < self.num_layers:
-            rows = rows[layers]
         lens = self.pool.seq_lens[rows[0]].long()
         if self.evicting:
             full = lens >= self.budget
@@ -277,7 +272,7 @@ class EvictingCache(KVCache):
             full, n_full = torch.zeros_like(lens, dtype=torch.bool), 0
         new_lens = lens + 1 if n_full == 0 else lens if n_full == len(lens) else lens + (~full).long()
         if n_full < len(lens):
-            self.pool.grow(rows.flatten(), new_lens.repeat(len(layers)))
+            self.pool.grow(rows.flatten(), new_lens.repeat(self.num_layers))
         full_rows = full.nonzero()[:, 0] if self.wants_evicted and 0 < n_full < len(lens) else None
         if self._held is not None and self._held[0] is rows:  # the last step's batch: its state as it left it
             state = self._held[1]
@@ -285,9 +280,9 @@ class EvictingCache(KVCache):
             flat = rows.flatten()  # index_select: 2-3x faster than indexing by rows [layers, N] on CPU
             state = {name: t.index_select(0, flat).view(*rows.shape, *t.shape[1:])
                      for name, t in self.row_state().items()}
-        step = DecodeStep(tuple(seq_ids), layers, rows, lens, new_lens, full, n_full, full_rows, state)
+        step = DecodeStep(tuple(seq_ids), rows, lens, new_lens, full, n_full, full_rows, state)
         if n_full == 0:  # every row appends
-            step.slots = lens.expand(len(layers), -1)
+            step.slots = lens.expand(self.num_layers, -1)
         return step
 
     def _flat(self, step: DecodeStep) -> torch.Tensor:
@@ -296,26 +291,24 @@ class EvictingCache(KVCache):
             step.flat = self.pool.slots(step.rows, step.slots)
         return step.flat
 
-    def _plan(self, rows: torch.Tensor, layers: list[int], lens: torch.Tensor, n_full: int) -> DecodePlan:
-        """The attention plan of ``rows [len(layers), N]`` holding ``lens [N]`` entries after the step. While every
+    def _plan(self, rows: torch.Tensor, lens: torch.Tensor, n_full: int) -> DecodePlan:
+        """The attention plan of ``rows [layers, N]`` holding ``lens [N]`` entries after the step. While every
         row of an unchanged batch is at its budget nothing grows and no page is taken, so the plan of the last
         such step is reused."""
         if n_full < len(lens):
             return self.pool.plan(rows, lens)
         cached = self._full_plan
-        if cached is None or cached[0] is not self._batch_rows or cached[1] != layers:
-            cached = self._full_plan = (self._batch_rows, layers, self.pool.plan(rows, lens))
-        return cached[2]
+        if cached is None or cached[0] is not self._batch_rows:
+            cached = self._full_plan = (self._batch_rows, self.pool.plan(rows, lens))
+        return cached[1]
 
     def _finish(self, step: DecodeStep) -> None:
         """The policy's part of the layers that ran as compiled calls, then the step's per-row state held for the next
-        step of the same batch (every layer's rows: written back when the batch changes, a sequence joins or leaves,
-        or someone reads the state, :meth:`row_state`), or written back (one layer decoded alone)."""
+        step of the same batch (written back when the batch changes, a sequence joins or leaves, or someone reads the
+        state, :meth:`row_state`)."""
         if step.compiled and self.evicting:
             self._update_compiled(step)
         self._held = (step.rows, step.state)
-        if len(step.layers) < self.num_layers:
-            self._write_back()
 
     def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
         """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at
@@ -345,8 +338,9 @@ class EvictingCache(KVCache):
 
     def _choose_all(self, step: DecodeStep) -> None:
         """``step.slots`` of every layer at once: one victim choice over the entries of every layer ``[layers, N, L]``
-        (the priority reads the entries alone)."""
-        step.slots = self._slots(step, self._entries(step, slice(None)), None, step.policy)  # [layers, N]
+        (the priority reads the entries alone, and ``step.layer`` is each one's index, ``[layers, 1, 1]``)."""
+        every_layer = dataclasses.replace(step.policy, layer=self._layer_ids)
+        step.slots = self._slots(step, self._entries(step, slice(None)), None, every_layer)  # [layers, N]
 
     def _slots(self, step: DecodeStep, entries: Entries, q: Optional[torch.Tensor], policy: Step) -> torch.Tensor:
         """The entry ``[..., N]`` each row writes: its victim when full (the priority over ``entries``, with the
@@ -354,14 +348,14 @@ class EvictingCache(KVCache):
         victim = victim_slots(self.scorer, entries, q, policy, self.budget)
         return victim if step.n_full == len(step.lens) else torch.where(step.full, victim, step.lens)
 
-    def _choose(self, step: DecodeStep, index: int, entries: Entries, q: torch.Tensor,
+    def _choose(self, step: DecodeStep, layer: int, entries: Entries, q: torch.Tensor,
                 policy: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entry ``[N]`` each row of layer ``step.layers[index]`` writes (its victim when full, else ``lens``) and
-        its flat page slot ``[N]``: chosen for every layer at once, or here with the layer's ``q [B, H, d]``."""
+        """The entry ``[N]`` each row of layer ``layer`` writes (its victim when full, else ``lens``) and its flat
+        page slot ``[N]``: chosen for every layer at once, or here with the layer's ``q [B, H, d]``."""
         if step.slots is not None:
-            return step.slots[index], self._flat(step)[index]
+            return step.slots[layer], self._flat(step)[layer]
         slot = self._slots(step, entries, q.reshape(len(step.lens), -1, q.shape[-1]), policy)
-        return slot, self.pool.slots(step.rows[index], slot)
+        return slot, self.pool.slots(step.rows[layer], slot)
 
     def compiled_attention(self, layer, num_heads, positions):
         """In a begun step whose evicted entries go nowhere (not LESS): the layer's write of each row's entry at its
@@ -382,35 +376,34 @@ class EvictingCache(KVCache):
             if self.evicting:
                 self._policy_step(step, layer, positions)
                 if step.slots is None:  # chosen layer by layer, from the queries
-                    step.slots, step.choosing = torch.empty(len(step.layers), len(step.lens), dtype=torch.long,
+                    step.slots, step.choosing = torch.empty(self.num_layers, len(step.lens), dtype=torch.long,
                                                              device=self.device), True
                 if self.scorer.attention is not None:  # zeros: a layer whose call failed adds nothing
-                    step.scores = torch.zeros(len(step.layers), len(step.lens), self.budget, device=self.device)
-        index = step.layers.index(layer)
+                    step.scores = torch.zeros(self.num_layers, len(step.lens), self.budget, device=self.device)
         if step.choosing:
-            return HeadsFirst(functools.partial(self._choose_from_heads, step, index, num_heads))
-        step.compiled.append(index)
-        return self._write_at_slots(step, index)
+            return HeadsFirst(functools.partial(self._choose_from_heads, step, layer, num_heads))
+        step.compiled.append(layer)
+        return self._write_at_slots(step, layer)
 
-    def _write_at_slots(self, step: DecodeStep, index: int):
-        """The compiled call of layer ``step.layers[index]``: its rows written at ``step.slots[index]``, attended, the
-        scores into ``step.scores[index]``."""
-        call = step.call.for_rows(step.rows[index])
+    def _write_at_slots(self, step: DecodeStep, layer: int):
+        """The compiled call of layer ``layer``: its rows written at ``step.slots[layer]``, attended, the scores into
+        ``step.scores[layer]``."""
+        call = step.call.for_rows(step.rows[layer])
         if step.scores is None:
-            return call.at_slots(step.slots[index])
-        return call.at_slots(step.slots[index], step.scores[index], self.scorer.attention)
+            return call.at_slots(step.slots[layer])
+        return call.at_slots(step.slots[layer], step.scores[layer], self.scorer.attention)
 
-    def _choose_from_heads(self, step: DecodeStep, index: int, num_heads: int, heads: torch.Tensor):
-        """Layer ``step.layers[index]``'s victims from its queries (a view of its projected heads ``[B, H + 2 H_kv,
+    def _choose_from_heads(self, step: DecodeStep, layer: int, num_heads: int, heads: torch.Tensor):
+        """Layer ``layer``'s victims from its queries (a view of its projected heads ``[B, H + 2 H_kv,
         d]``), the new token's position recorded at them, then its compiled call (:meth:`_write_at_slots`)."""
         n = len(step.lens)
         q = heads[:, :num_heads].reshape(n, num_heads // self.num_kv_heads, -1)  # [N, G, d]
-        entries, policy = self._entries(step, index), dataclasses.replace(step.policy, layer=step.layers[index])
+        entries, policy = self._entries(step, layer), dataclasses.replace(step.policy, layer=layer)
         slot = self._slots(step, entries, q, policy)
         record_token(self.scorer, entries, slot, policy.t)
-        step.slots[index] = slot
-        step.compiled.append(index)
-        return self._write_at_slots(step, index)
+        step.slots[layer] = slot
+        step.compiled.append(layer)
+        return self._write_at_slots(step, layer)
 
     def _compiled_call(self, num_heads: int):
         """The layers' compiled write and attention (:func:`kernels.paged.decode_attention` without pages to lend,
@@ -428,10 +421,10 @@ class EvictingCache(KVCache):
         """After the compiled calls of ``step.compiled``'s layers: their new entries' keys recorded where the policy
         reads them (read back from the pages at their slots) and their scores updated by what the calls' attention
         wrote, as :meth:`_decode_layer` does after its attention; every layer at once when all of them ran so."""
-        if len(step.compiled) == self.num_layers:  # (a compiled step is begun for every layer)
+        if len(step.compiled) == self.num_layers:
             parts = [(slice(None), self._layer_ids)]
         else:  # a step that failed part way
-            parts = [(index, step.layers[index]) for index in step.compiled]
+            parts = [(layer, layer) for layer in step.compiled]
         for index, layer in parts:
             entries = self._entries(step, index)
             if self.scorer.key_scores or entries.codes is not None:
@@ -441,41 +434,33 @@ class EvictingCache(KVCache):
                                dataclasses.replace(step.policy, layer=layer))
 
     def _entries(self, step: DecodeStep, index: int | slice) -> Entries:
-        """The per-entry state of layer ``step.layers[index]``'s rows (views of the step's gathered state; a slice:
-        those layers' ``[layers, N, L]``)."""
+        """The per-entry state of layer ``index``'s rows (views of the step's gathered state; a slice: those layers'
+        ``[layers, N, L]``)."""
         st = step.state
         return Entries(st["positions"][index], st["scores"][index], st["codes"][index] if "codes" in st else None)
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
-        step = self._step
-        if step is not None and step.seq_ids == tuple(seq_ids):  # begin_decode grew the rows, planned, gathered
-            return self._decode_layer(step, layer, q, k, v, info)
-        step = self._prepare(seq_ids, [layer])
-        try:
-            return self._decode_layer(step, layer, q, k, v, info)
-        finally:
-            self._finish(step)
-
-    def _decode_layer(self, step: DecodeStep, layer: int, q, k, v, info: TokenInfo) -> torch.Tensor:
-        """One layer of the step: ``q [B, H, d]``, ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``. A full
-        row's victim is chosen and overwritten in place, the others append; then attention and the scores."""
+        """One layer of the step begun (:meth:`begin_decode`: the rows grown, the state gathered): ``q [B, H, d]``,
+        ``k [B, H_kv, d]``, ``v [B, H_kv, d_v]`` -> ``[B, H, d_v]``. A full row's victim is chosen and overwritten in
+        place, the others append; then attention and the scores. k and v stay views of the model's heads (the
+        append reads them strided)."""
+        step = self._step_of(seq_ids)
         b, hk = q.shape[0], self.num_kv_heads
-        index = step.layers.index(layer)  # k and v stay views of the model's heads (the append reads them strided)
         if not self.evicting:  # prefill schedule: decoded tokens are appended
-            return self.attend(step, index, q, None, (k, v, self._flat(step)[index]))[0].view(b, -1, v.shape[-1])
+            return self.attend(step, layer, q, None, (k, v, self._flat(step)[layer]))[0].view(b, -1, v.shape[-1])
         policy = self._policy_step(step, layer, info.positions)
-        entries = self._entries(step, index)
-        slot, flat = self._choose(step, index, entries, q, policy)
+        entries = self._entries(step, layer)
+        slot, flat = self._choose(step, layer, entries, q, policy)
         if self.wants_evicted and step.n_full:  # whole sequences are full (every KV head alike)
             gone = flat if step.full_rows is None else flat[step.full_rows]
-            self.absorb(layer, {name: t[index] for name, t in step.state.items()}, step.full_rows,
+            self.absorb(layer, {name: t[layer] for name, t in step.state.items()}, step.full_rows,
                         self.pool.k_pages.view(-1, k.shape[-1]).index_select(0, gone).view(-1, hk, 1, k.shape[-1]),
                         self.pool.v_pages.view(-1, v.shape[-1]).index_select(0, gone).view(-1, hk, 1, v.shape[-1]))
         if step.recorded:
             record_keys(self.scorer, entries, slot, k)
         else:
             insert(self.scorer, entries, slot, k, policy.t)
-        out, attention = self.attend(step, index, q, self.scorer.attention, (k, v, flat))  # the new entry written first
+        out, attention = self.attend(step, layer, q, self.scorer.attention, (k, v, flat))  # the new entry written first
         if attention is not None and attention.shape[1] < self.budget:
             attention = torch.nn.functional.pad(attention, (0, self.budget - attention.shape[1]))
         self.scorer.update(entries, attention, policy)

@@ -97,21 +97,14 @@ class FullCache(KVCache):
         return step.attention(self, layer, num_heads) if isinstance(step, LentStep) else None
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
+        """The layer's part of the step begun: each row's new entry appended, then the attention over the rows."""
         b, h, d = q.shape
-        step = self._step
-        if step is not None and step.seq_ids == tuple(seq_ids):
-            q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)  # [B * H_kv, G, d]
-            if isinstance(step, _PlannedStep):
-                out = self.pool.attend_planned(step.plan, q, self.scale, index=layer, append=(k, v, step.slots[layer]))
-            else:
-                pool = self.pool
-                out = paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
-                                          step.rows[layer], k, v, q, self.scale, *step.loan)
-            return out.view(b, h, -1)
-        self._table = None  # a layer grows its rows alone: the next step takes its block table again
-        k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
-        rows = self.layer_rows(layer, seq_ids).flatten()
-        lens = self.pool.seq_lens[rows].long()
-        self.pool.grow(rows, lens + 1)
-        self.pool.write(rows, lens, k, v)
-        return self.attend_paged(rows.view(len(seq_ids), -1), q)
+        step = self._step_of(seq_ids)
+        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)  # [B * H_kv, G, d]
+        if isinstance(step, _PlannedStep):
+            out = self.pool.attend_planned(step.plan, q, self.scale, index=layer, append=(k, v, step.slots[layer]))
+        else:
+            pool = self.pool
+            out = paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens, step.rows[layer],
+                                      k, v, q, self.scale, *step.loan)
+        return out.view(b, h, -1)

@@ -100,15 +100,15 @@ class LESSCache(EvictingCache):
             state["H"][where] += H
             state["z"][where] += z
 
-    def attend(self, step, index, q, scores, append=None):
+    def attend(self, step, layer, q, scores, append=None):
         b, h, d = q.shape
         g = h // self.num_kv_heads
-        out, *extra = self.pool.attend_planned(self.step_plan(step), q.reshape(-1, g, d), self.scale, index=index,
+        out, *extra = self.pool.attend_planned(self.step_plan(step), q.reshape(-1, g, d), self.scale, index=layer,
                                                scores=scores, return_lse=True, append=append)
         lse = extra[-1]  # [b * H_kv, G]
-        w = self.weights.layers[step.layers[index]]
+        w = self.weights.layers[layer]
         features = phi_q(q[:, :, None], w)[:, :, 0].reshape(-1, g, self.weights.rank)
-        lin_num = features @ step.state["H"][index]  # [b * H_kv, G, d_v]
-        lin_den = (features * step.state["z"][index][:, None]).sum(-1)
+        lin_num = features @ step.state["H"][layer]  # [b * H_kv, G, d_v]
+        lin_den = (features * step.state["z"][layer][:, None]).sum(-1)
         out = less_combine(out.float(), lse, lin_num, lin_den).to(q.dtype)
         return out, (extra[0] if scores is not None else None)
