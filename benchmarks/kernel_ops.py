@@ -4,15 +4,16 @@
     python benchmarks/kernel_ops.py --peak-gbps 3350 # H100 SXM: report bandwidth as a fraction of peak
 
 On CUDA (bf16):
-- DMC training attention (forward + backward) at 4K/8K/16K tokens: Triton vs the portable PyTorch
-  path vs ``scaled_dot_product_attention`` (flash, causal) on the same shapes.
+- DMC training attention (forward + backward) at 4K/8K/16K tokens under the ``triton`` and ``torch``
+  backends (``dmc_attention`` runs its fused kernels under both; there is no Triton DMC attention:
+  ``benchmarks/gpu_train.py`` compares its implementations) vs ``scaled_dot_product_attention`` (causal).
 - Partial accumulation (exact and window 12), forward + backward: Triton vs PyTorch.
 - Paged decode over per-(sequence, KV head) rows: Triton vs PyTorch vs flash-attn's
   ``flash_attn_with_kvcache`` (page size 256, when installed), with the achieved memory bandwidth
   (K/V bytes read per second) and its fraction of ``--peak-gbps``.
 On CPU (what runs here): the PyTorch paths' cost, paged decode time growing with the tokens
 held (not with the block table's width), and paged decode at equal KV bytes with G = 1, 2, 4 query heads
-per KV row (GQA, issue #25), with and without the eviction policies' scores; a Llama layer's dense ops
+per KV row (GQA), with and without the eviction policies' scores; a Llama layer's dense ops
 (kernels/layer) and the eviction policies' victim choice (kernels/eviction): compiled vs their tensor ops.
 
 Every line is a ratio measured in this run; timings are medians of ``--repeats`` calls.

@@ -9,9 +9,10 @@
 Log-likelihoods are computed by one of two routes, which agree (tests):
 
 - ``route=parallel`` (default): the cache's teacher-forced parallel form, one forward per batch. Full cache:
-  the plain forward; DMC checkpoints: the DMC model's own forward (hard decisions); eviction policies,
-  LESS and LightCache: :meth:`LlamaForInference.forward_with_policy`, with the context as the prompt and
-  the continuation decoded token by token (what the policy keeps at each step).
+  the plain forward; DMC checkpoints: the DMC model's own forward (hard decisions); eviction policies and
+  LESS: :meth:`LlamaForInference.forward_with_policy`, with the context as the prompt and the continuation
+  decoded token by token (what the policy keeps at each step); LightCache:
+  :meth:`LlamaForInference.forward_with_attention` with LightCache's own parallel form (q and k before RoPE).
 - ``route=engine``: real incremental decoding in a paged cache of the engine: the context is prefilled,
   then every continuation token is fed one by one (teacher forcing), batched over requests.
 

@@ -153,9 +153,9 @@ def dmc_attention(
     row log-sum-exp, never an n x n tensor):
 
     - ``"fused"`` (``attention_fused.py``): PyTorch's fused flash-attention kernels (CPU flash; on CUDA
-      FlashAttention-2, or the memory-efficient kernel for fp32) on keys shifted by one position with the
-      bias in one channel, plus the diagonal merged through log-sum-exps. Pass DMC's decision channel as
-      ``free_channel`` to keep the head size d.
+      cuDNN's on Hopper and newer, FlashAttention-2 before, the memory-efficient kernel for fp32) on keys
+      shifted by one position with the bias in one channel, plus the diagonal merged through log-sum-exps.
+      Pass DMC's decision channel as ``free_channel`` to keep the head size d.
     - ``"blocked"`` (any device, ``attention_blocked.py``): query blocks x key ranges with an online
       softmax in plain tensor ops.
 
