@@ -13,7 +13,8 @@ from dmc_train.inference.engine import Engine
 from dmc_train.inference.model import LlamaForInference, ModelShape
 from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams
-from dmc_train.policies import POLICIES, build_scorer
+from dmc_train.inference.caches import EvictingCache
+from dmc_train.policies import POLICIES, PolicyConfig, Scorer, build_scorer
 from tests.inference.conftest import SHAPE, random_weights
 
 SCHEDULES = ["decode", "prefill"]
@@ -68,6 +69,37 @@ def test_engine_and_parallel_form_keep_the_same_entries(make_model, policy, sche
     # no token twice in a sequence: Knorm's first-layer ties between copies of a token are float noise
     sequences = [torch.randperm(SHAPE.vocab_size, generator=g)[:n] for n in (48, 41, 45)]
     assert_engine_matches_parallel(make_model("full"), policy, schedule, sequences, prompt_lens=[7, 1, 30])
+
+
+class LayerDependent(Scorer):
+    """A toy priority that reads the layer: even layers evict their oldest entry, odd layers their newest."""
+
+    name = "layer_dependent"
+
+    def priority(self, entries, q, step):
+        sign = 1 - 2 * (step.layer % 2)  # an int, or [layers, 1, 1] when every layer's victims are chosen at once
+        return entries.positions.float() * sign
+
+
+def test_a_priority_that_reads_the_layer_gets_each_layers_index(make_model):
+    """The engine chooses every layer's victims at once when the priority reads the entries alone: a priority that
+    reads ``step.layer`` keeps, in every layer, what the parallel form (one layer at a time) keeps."""
+    model = make_model("full")
+    s = model.shape
+    scorer = LayerDependent(PolicyConfig(budget=BUDGET), s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
+    cache = EvictingCache(new_pool(), s.num_layers, s.num_kv_heads, model.scale, scorer, BUDGET, s.max_positions)
+    g = torch.Generator().manual_seed(5)
+    sequences = [torch.randperm(SHAPE.vocab_size, generator=g)[:n] for n in (44, 38)]
+    _, kept = decode_through_cache(model, cache, sequences, [6, 1])
+    for i, (seq, p) in enumerate(zip(sequences, [6, 1])):
+        runs = []
+        model.forward_with_policy(seq[None], scorer, BUDGET, p, horizon=len(seq) - p, runs=runs)
+        for layer, run in enumerate(runs):
+            visible = run.visible()[0]  # [H_kv, n, n]
+            want = [v.nonzero()[:, 0].tolist() for v in visible[:, -1]]
+            assert [sorted(x for x in row.tolist() if x >= 0) for row in kept[i, len(seq) - 1][layer]] == want
+        last = [run.visible()[0][0, -1].nonzero()[:, 0].tolist() for run in runs]
+        assert last[0] != last[1]  # the layers kept different entries
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
