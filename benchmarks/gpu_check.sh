@@ -6,9 +6,11 @@
 # 1. installs what is missing (megatron-core, hydra-core, omegaconf, antlr4: from the package index, or from the
 #    wheels in DIR with --wheels, for machines without internet) into a folder of its own, torch left as it is;
 # 2. a 20-step tiny run on the GPU, a kill -9 during a second run and its resume (losses equal to the first run's
-#    bit for bit), DMC 10 steps on the GPU resumed on the CPU, LESS 3 steps from the tiny run;
+#    bit for bit), DMC 10 steps on the GPU resumed on the CPU, LESS 3 steps from the tiny run, and the engine's
+#    greedy tokens on the GPU against the CPU's (full, H2O, LightCache, DMC caches);
 # 3. benchmarks/gpu_train.py (method steps at a Llama-2-7B layer shape, DMC attention and accumulation kernels);
-# 4. the tests that exercise tensors on the GPU (DMC_TEST_DEVICE=cuda), the Triton kernels compiled;
+# 4. the tests that exercise tensors on the GPU (DMC_TEST_DEVICE=cuda: kernels, models, the engine, caches,
+#    policies, transformers' PolicyCache), the Triton kernels compiled;
 # and prints one table last. Logs and results go to --out (default: $OUT if set, else runs/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +98,23 @@ if ! skipped runs; then
   else
     record "LESS from the tiny run" FAILED "$(tail -1 "$DEST/less.log")"
   fi
+
+  # the engine on the GPU: greedy tokens of the tiny run and of the DMC run equal the CPU's (several caches)
+  for case in "tiny full" "tiny h2o --budget 0.25" "tiny lightcache" "dmc auto"; do
+    set -- $case
+    run=$1; shift
+    t0=$SECONDS
+    gen=(launch/generate.py --checkpoint "$SCRATCH/$run" --token-ids --prompt "5 17 42 8 99 3 61 20" --prompt "7 7 1"
+         --max-new-tokens 24 --dtype fp32 --cache "$@")
+    name="generate on cuda: $run $1"
+    if $PY "${gen[@]}" --device cuda --json "$DEST/gen_cuda.json" >>"$DEST/generate.log" 2>&1 && \
+       $PY "${gen[@]}" --device cpu --json "$DEST/gen_cpu.json" >>"$DEST/generate.log" 2>&1; then
+      same=$($PY -c "import json,sys; t=[[o['tokens'] for o in json.load(open(f))['outputs']] for f in sys.argv[1:]]; print('tokens equal the CPU' if t[0] == t[1] else f'tokens differ: {t[0]} vs {t[1]}')" "$DEST/gen_cuda.json" "$DEST/gen_cpu.json")
+      [[ $same == "tokens equal"* ]] && record "$name" ok "$same ($((SECONDS - t0)) s)" || record "$name" FAILED "$same"
+    else
+      record "$name" FAILED "$(tail -1 "$DEST/generate.log")"
+    fi
+  done
 fi
 
 # -- 3. benchmark -------------------------------------------------------------------------------
@@ -111,9 +130,11 @@ fi
 # -- 4. tests on the GPU ------------------------------------------------------------------------
 if ! skipped tests; then
   t0=$SECONDS
-  DMC_TEST_DEVICE=cuda timeout "${DMC_CHECK_TEST_SECONDS:-240}" $PY -m pytest -q -p no:cacheprovider \
+  DMC_TEST_DEVICE=cuda timeout "${DMC_CHECK_TEST_SECONDS:-300}" $PY -m pytest -q -p no:cacheprovider \
     tests/kernels/dmc tests/kernels/less tests/kernels/paged/test_paged_triton.py tests/test_dmc_method.py \
-    tests/models tests/test_device_resume.py tests/test_device_errors.py >"$DEST/tests.log" 2>&1
+    tests/models tests/test_device_resume.py tests/test_device_errors.py tests/inference/test_engine.py \
+    tests/inference/test_inference_caches.py tests/inference/test_policy_caches.py tests/inference/test_hf_policy_cache.py \
+    >"$DEST/tests.log" 2>&1
   rc=$?
   summary=$(grep -E "passed|failed|error" "$DEST/tests.log" | tail -1)
   [ $rc -eq 0 ] && record "tests on cuda" ok "$summary ($((SECONDS - t0)) s)" \

@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from dmc_train.errors import CheckpointError, ConfigError, DataError
-from tests.helpers import ROOT, run
+from tests.helpers import ROOT, TEST_DEVICE, run
 from tests.test_bad_input import assert_one_line_error, tree_digest
 
 TINY = ["+recipe=tiny_pretrain", "train.max_steps=1", "train.eval_interval=0"]
@@ -136,6 +136,10 @@ def test_command_lines_fail_in_one_line_and_write_nothing(saved_run, hf_dir, tmp
          ["keyformer option recent_fraction='0,3' must be a number"], saved_run),
         ([*generate, "--max-new-tokens", "60", "--kv-bytes", "64KB", "--max-batch", "1"],
          ["the request needs", "more KV pages", "raise kv_bytes or lower max_new_tokens"], saved_run),
+        ([*generate, "--device", "cuda:7"], ["device='cuda:7' but", "use device=cpu"
+                                             if TEST_DEVICE == "cpu" else "choose one of those"], saved_run),
+        ([*generate, "--dtype", "fp16"], ["fp16 on the CPU is not supported", "fp16 on a GPU (device=cuda)"],
+         saved_run),
         (["checkpoints_tools/import_hf.py", "--input", str(empty_config), "--output", str(tmp_path / "imported")],
          ["config.json lacks num_hidden_layers"], empty_config),
         (["launch/pretrain.py", *TINY, f"checkpoint.init_from={empty_config}", f"run_dir={tmp_path / 'from_hf'}"],
@@ -160,8 +164,8 @@ def test_evaluation_names_an_unknown_cache_before_the_model_kind(monkeypatch):
     from dmc_train.inference.model import LlamaForInference
 
     dmc_model = types.SimpleNamespace(dmc=object(), default_cache="dmc")
-    monkeypatch.setattr(LlamaForInference, "from_checkpoint", staticmethod(lambda ckpt: (dmc_model, None)))
-    cfg = types.SimpleNamespace(eval=types.SimpleNamespace(cache="nope"))
+    monkeypatch.setattr(LlamaForInference, "from_checkpoint", staticmethod(lambda ckpt, device: (dmc_model, None)))
+    cfg = types.SimpleNamespace(eval=types.SimpleNamespace(cache="nope", device="cpu"))
     with pytest.raises(InferenceError) as e:
         perplexity.evaluate_with_cache(cfg, "ckpt", {})
     one_line(e.value, "unknown cache 'nope'; expected auto or one of full, dmc")

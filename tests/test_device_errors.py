@@ -36,3 +36,35 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
 
 def test_bf16_where_the_device_has_it():
     check_precision("bf16")  # the CPU, or the test GPU (every GPU lent here has bf16)
+
+
+def gpus(monkeypatch, count: int, bf16: bool = True) -> None:
+    """torch's GPU queries answered as a machine with ``count`` GPUs would (GPU 0 current)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+
+
+@pytest.mark.parametrize("count, spec, dtype, message", [
+    (0, "cuda", None, "device='cuda' but torch sees no GPU (a CPU build of torch, no driver, or CUDA_VISIBLE_DEVICES "
+                      "empty); use device=cpu, or a CUDA build (requirements-gpu.txt)"),
+    (2, "cuda:2", None, "device='cuda:2' but this machine has 2 visible GPU(s) (cuda:0..cuda:1); choose one of those"),
+    (1, "cpu", torch.float16, "fp16 on the CPU is not supported"),
+    (1, "cuda:0", torch.bfloat16, "bf16 on Tesla V100, which has no bfloat16; use dtype fp16 or fp32"),
+    (1, "mps", None, "device='mps': inference runs on cpu or cuda"),
+    (1, "gpu0", None, "device='gpu0' is not a device; use cpu, cuda or cuda:<index>"),
+])
+def test_an_inference_device_that_cannot_run_is_one_line(monkeypatch, count, spec, dtype, message):
+    gpus(monkeypatch, count, bf16=False)
+    with pytest.raises(DeviceError) as e:
+        distributed.inference_device(spec, dtype)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_inference_device_names_its_gpu(monkeypatch):
+    gpus(monkeypatch, 2)
+    assert distributed.inference_device("cuda", torch.bfloat16) == torch.device("cuda", 0)
+    assert distributed.inference_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert distributed.inference_device("cpu", torch.bfloat16) == torch.device("cpu")

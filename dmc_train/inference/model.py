@@ -42,12 +42,12 @@ from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
 from dmc_train.inference.caches.base import HeadsFirst
 from dmc_train.inference.caches.less import LESSWeights
+from dmc_train.inference.dmc_decisions import DMCDecisions
 from dmc_train.models.dmc_settings import DMCSettings
 from dmc_train.models.llama_layer import LlamaLayer
 from dmc_train.models.rope import rope, rope_inv_freq, rope_rotation, rope_tables
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
-from kernels.dmc import decisions
 from kernels.layer import rms_norm_matmul
 from kernels.less import eviction_masks, less_attention, phi_k, phi_q
 
@@ -138,26 +138,10 @@ class LlamaForInference:
         self.rope = functools.partial(rope, inv_freq=self.inv_freq)  # rope(x [..., d], positions): the model's RoPE
         self.rotate_in_cache = dmc is not None and dmc.rope_order == "pre"
         self.head_counts = self.layers[0].heads  # (H, H_kv, H_kv) of every layer (a tensor-parallel rank's)
-        self.keep, self.rope_masks = None, (None, None)
-        if dmc is not None and dmc.channel is not None:
-            self._decision_channel_tables(dmc, dtype)
-
-    def _decision_channel_tables(self, dmc: DMCSettings, dtype: torch.dtype) -> None:
-        """What every forward of a DMC model with a decision channel ``c`` reuses: ``keep [d]`` (0 at ``c``, model
-        dtype); ``rope_masks``, the masks of :func:`rope_tables` for the query and key heads rotated
-        together (``rope_order=post``): cos ``keep [d]``, signed sine ``[H + H_kv, d]``, 0 where it multiplies the
-        channel (``c + d / 2 mod d``) and, in the query heads, also where it writes it (``c``); the decision
-        scalars as 0-dim fp32 tensors (offset, threshold, eps, 0, 1: no scalar conversion per call) and the key
-        heads' offsets ``[H_kv]`` (:meth:`_decision_rule`)."""
-        hq, hk, _ = self.head_counts
-        d = self.shape.head_dim
-        self.keep = torch.ones(d, dtype=dtype, device=self.device)
-        self.keep[dmc.channel] = 0
-        rolled = self.keep.roll(d // 2)  # 0 where the signed sine multiplies the channel
-        self.rope_masks = (self.keep, torch.cat([(rolled * self.keep).expand(hq, d), rolled.expand(hk, d)]))
-        self.decision_scalars = tuple(torch.tensor(x, dtype=torch.float32, device=self.device)
-                                      for x in (dmc.init_offset, dmc.decision_threshold, dmc.omega_eps, 0.0, 1.0))
-        self.channel_shift = (-self.decision_scalars[0]).expand(hk)  # k - c0 (alpha_logit)
+        # DMC's decisions and the masks of its decision channel: the method's hook, asked per forward and layer
+        self.decisions = None if dmc is None else DMCDecisions(dmc, self.head_counts, s.head_dim, dtype, device)
+        self.keep, self.rope_masks = (None, (None, None)) if dmc is None else (self.decisions.keep,
+                                                                                self.decisions.rope_masks)
 
     @property
     def default_cache(self) -> str:
@@ -182,6 +166,7 @@ class LlamaForInference:
         from dmc_train.models.llama_weights import megatron_to_hf
         from dmc_train.training.model_state import read_model_state
 
+        device = inference_device(device if device is not None else "cpu")  # a GPU that is not there: before reading
         state, loaded = read_model_state(checkpoint)
         shape = ModelShape.from_config(loaded.cfg.model)
         dmc, less, cache = None, None, METHODS[loaded.cfg.method.name].cache  # the method declares its cache
@@ -192,69 +177,13 @@ class LlamaForInference:
             dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))
         torch_dtype = DTYPES[dtype or loaded.cfg.train.precision]
         tp.check(shape, tensor_parallel, dmc, less)
-        if tensor_parallel > 1 and inference_device(device or "cpu").type != "cpu":
+        if tensor_parallel > 1 and device.type != "cpu":
             raise InferenceError(f"tensor_parallel={tensor_parallel} runs on CPU processes (gloo); on a GPU use "
                                  f"tensor_parallel=1")
         rank, group = tp.start(tensor_parallel)
         if group is not None:
             weights, shape = tp.shard_weights(weights, shape, rank, tensor_parallel)
         return cls(shape, weights, dmc, torch_dtype, less, group, device), loaded
-
-    # -- decisions --------------------------------------------------------------------------------
-    def _decision_rule(self, positions: torch.Tensor):
-        """What every layer's decisions share in a forward of the tokens at ``positions [b, n]`` (``t = b n`` rows).
-        Fixed pooling: the decisions themselves, ``(alpha, omega)`` ``[t, H_kv]`` (every ``pool``-th token
-        appends, equal weights). DMC: ``shift [t, H_kv]`` (fp32), added to the key heads' decision channel:
-        ``-c0`` (:func:`~kernels.dmc.decisions.alpha_logit`: ``k + (-c0)`` is ``k - c0`` exactly), and ``-inf`` at a
-        sequence's first token (``positions == 0``: its logit never exceeds the threshold, so the first token
-        appends)."""
-        st, (_, hk, _) = self.dmc, self.head_counts
-        if st.pool is not None:
-            alpha = (positions.reshape(-1, 1) % st.pool != 0).float().expand(-1, hk).contiguous()
-            return alpha, torch.ones_like(alpha)
-        return torch.where(positions.reshape(-1, 1) == 0, -math.inf, self.channel_shift)
-
-    def _decisions(self, channel_values: Optional[torch.Tensor], rule,
-                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hard ``alpha`` and ``omega [t, H_kv]`` (fp32) of one layer from its q and k heads' decision channel before
-        RoPE, ``channel_values [t, H + H_kv]`` (rows = tokens; :meth:`LlamaLayer.attention_input`; None for fixed
-        pooling) and the forward's ``rule`` (:meth:`_decision_rule`) at ``positions [b, n]``: training's evaluation
-        functions (:mod:`kernels.dmc.decisions`), bit for bit. Their sigmoid runs on dense tensors in the order it
-        always did (``[t, H_kv]``; HardC ``[b, H_kv, n]``): a vectorised and a scalar sigmoid round differently, so
-        the same values must fall in the same places."""
-        st, (hq, hk, _) = self.dmc, self.head_counts
-        if st.pool is not None:
-            return rule
-        offset, threshold, eps, zero, one = self.decision_scalars
-        q_dec, k_dec = channel_values.split((hq, hk), 1)  # [t, H], [t, H_kv]
-        q_dec = q_dec.float()
-        logit = k_dec + rule  # alpha_logit, -inf at a first token
-        if hq != hk or st.shared:  # GQA: the group's mean (one head: itself, as the mean of one value);
-            q_dec = decisions.group_mean(q_dec, hk)  # HardC: also one head, contiguous
-        if not st.shared:
-            return torch.where(logit > threshold, one, zero), decisions.importance(q_dec, offset, eps)
-        b, n = positions.shape  # HardC: the layer's heads decide together, in training's layout [b, H_kv, n]
-        logit, q_dec = (x.mean(-1, keepdim=True).view(b, n, 1).transpose(1, 2).expand(-1, hk, -1)
-                        for x in (logit, q_dec))
-        alpha, omega = torch.where(logit > threshold, one, zero), decisions.importance(q_dec, offset, eps)
-        return alpha.transpose(1, 2).reshape(-1, hk), omega.transpose(1, 2).reshape(-1, hk)  # rows [t, H_kv]
-
-    def _decides_in_call(self, call, rule) -> bool:
-        """Hand a layer's compiled attention (``KVCache.compiled_attention``) its DMC decisions: fixed pooling's of the
-        forward, or DMC's rule (:meth:`_decision_rule`, the threshold, offset and epsilon) to take them in the call
-        from the decision channel (alpha exactly PyTorch's; omega's sigmoid in C, within a few ulp of
-        :meth:`_decisions`). False for HardC, whose heads decide together: then :meth:`_decisions` runs between two
-        calls. True without DMC."""
-        st = self.dmc
-        if rule is None:
-            return True
-        if st.pool is not None:
-            call.with_decisions(*rule)
-            return True
-        if st.shared:
-            return False
-        call.deciding(rule, st.decision_threshold, st.init_offset, st.omega_eps)
-        return True
 
     # -- forward ----------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor],
@@ -283,26 +212,27 @@ class LlamaForInference:
                 raw_qk: bool = False, compiled: Optional[Callable[[int], Any]] = None) -> torch.Tensor:
         """The hidden states ``[t, hidden]`` after the last layer of ``tokens [t]`` at ``positions [b, n]`` (rows =
         tokens, ``t = b n``). Per layer: the heads (:meth:`LlamaLayer.attention_input`), DMC's decisions from them
-        before RoPE (:meth:`_decisions`), q and k rotated (:meth:`_split_heads`), then ``attention(layer, q [t, H, d],
-        k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega) -> [t, H d_v]`` (``alpha``, ``omega [t, H_kv]``; None
-        without DMC) and the rest of the layer. What every layer shares (RoPE tables, the decision rule) is computed
-        once, here. ``compiled(layer)``: the layer's attention as a compiled function (a decode step's,
-        ``KVCache.compiled_attention``) or None; with one the whole layer is one call
+        before RoPE (the method's hook, :meth:`DMCDecisions.decide`), q and k rotated (:meth:`_split_heads`), then
+        ``attention(layer, q [t, H, d], k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega) -> [t, H d_v]`` (``alpha``,
+        ``omega [t, H_kv]``; None without DMC) and the rest of the layer. What every layer shares (RoPE tables, the
+        decision rule) is computed once, here. ``compiled(layer)``: the layer's attention as a compiled function (a
+        decode step's, ``KVCache.compiled_attention``) or None; with one the whole layer is one call
         (:meth:`LlamaLayer.decode_with`), or two with DMC's decisions between, or the cache's own work on the heads
         (a ``HeadsFirst``: an eviction policy whose victims read the query) (:meth:`LlamaLayer.attend_output_with`)."""
         split, rope_in_input = self._split_heads(positions, raw_qk)
         all_reduce = None if self.group is None else self._all_reduce
-        rule = None if self.dmc is None else self._decision_rule(positions)
-        channel = None if self.dmc is None else self.dmc.channel
+        hook = self.decisions
+        rule = None if hook is None else hook.rule(positions)
+        channel = None if hook is None else hook.channel
         x = self.embed[tokens]
         for layer in self.layers:
             call = None if compiled is None else compiled(layer.index)
             first = isinstance(call, HeadsFirst)
-            if call is not None and not first and self._decides_in_call(call, rule):
+            if call is not None and not first and (hook is None or hook.hand_to(call, rule)):
                 x = layer.decode_with(x, rope_in_input, call, channel)
                 continue
             heads, channel_values = layer.attention_input(x, rope_in_input, channel)
-            alpha, omega = (None, None) if rule is None else self._decisions(channel_values, rule, positions)
+            alpha, omega = (None, None) if hook is None else hook.decide(channel_values, rule, positions)
             if call is not None:  # the cache reads the heads first, or HardC's decisions; the rest is one call
                 call = call.build(heads) if first else call.with_decisions(alpha, omega)
                 x = layer.attend_output_with(x, heads, call)

@@ -22,10 +22,11 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="session")
-def make_model():
+def make_model(device):
+    """``make(variant, dtype)``: the tiny model on the test device (``DMC_TEST_DEVICE``)."""
     weights = random_weights(SHAPE)
 
     def make(variant: str = "full", dtype=torch.float32) -> LlamaForInference:
-        return LlamaForInference(SHAPE, weights, VARIANTS[variant], dtype)
+        return LlamaForInference(SHAPE, weights, VARIANTS[variant], dtype, device=device)
 
     return make

@@ -42,17 +42,17 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(device):
     """``(hf, plain, ours)``: the HF model PolicyCache switches to its attention, an untouched HF copy (eager,
-    DynamicCache) and the project's inference model, all on the same weights."""
+    DynamicCache) and the project's inference model, all on the same weights, on the test device."""
     weights = random_weights(SHAPE)
-    return hf_llama(weights), hf_llama(weights), LlamaForInference(SHAPE, weights)
+    return hf_llama(weights).to(device), hf_llama(weights).to(device), LlamaForInference(SHAPE, weights, device=device)
 
 
 @pytest.fixture(scope="module")
-def prompts():
+def prompts(device):
     g = torch.Generator().manual_seed(1)
-    return torch.stack([torch.randperm(SHAPE.vocab_size, generator=g)[:P] for _ in range(2)])  # [2, P]
+    return torch.stack([torch.randperm(SHAPE.vocab_size, generator=g)[:P] for _ in range(2)]).to(device)  # [2, P]
 
 
 class Recorder(LogitsProcessor):
@@ -108,7 +108,7 @@ def test_generate_decodes_what_the_parallel_form_predicts(models, prompts, polic
     for i in range(len(seq)):
         # Knorm: exact up to the first eviction that picks between two copies of a token (a float-noise tie);
         # test_every_step_keeps_what_the_parallel_form_keeps covers it over whole sequences of distinct tokens
-        end = min(NEW, first_tie(seq[i], runs[0].evicted_at[i]) - P + 1) if policy == "knorm" else NEW
+        end = min(NEW, first_tie(seq[i].cpu(), runs[0].evicted_at[i].cpu()) - P + 1) if policy == "knorm" else NEW
         assert torch.equal(want[i, :end].argmax(-1), seq[i, P: P + end])
         torch.testing.assert_close(got[i, :end], want[i, :end], rtol=1e-4, atol=1e-4)
     # memory: [b, H_kv, budget, d] buffers written in place (decode); kvpress's prompt + appended tokens (prefill)
@@ -128,7 +128,7 @@ def test_every_step_keeps_what_the_parallel_form_keeps(models, policy, schedule)
     token: the logits of every position and, for the decode schedule, the kept positions after every step."""
     hf, _, ours = models
     g = torch.Generator().manual_seed(2)
-    seq = torch.stack([torch.randperm(SHAPE.vocab_size, generator=g)[:P + NEW] for _ in range(2)])
+    seq = torch.stack([torch.randperm(SHAPE.vocab_size, generator=g)[:P + NEW] for _ in range(2)]).to(hf.device)
     options = {"budget": BUDGET, "schedule": schedule}
     # without max_new_tokens (Keyformer's paper schedule needs it) the prefill schedule grows its buffers
     cache = PolicyCache(hf, policy, max_new_tokens=NEW if policy == "keyformer" else 0, **options)

@@ -19,7 +19,7 @@ DMC_VARIANTS = ["dmc_exact", "dmc_window", "dmc_hardc", "dmc_pre", "dmc_pre_wind
 def new_cache(model, num_pages=256, page_size=16, policy=None):
     """The model's own cache, or the eviction ``policy`` given as ``name`` or ``name:schedule`` (budget 24)."""
     pool = PagePool(num_pages, page_size, SHAPE.head_dim, 16 * SHAPE.num_layers * SHAPE.num_kv_heads,
-                    SHAPE.max_positions, dtype=model.dtype)
+                    SHAPE.max_positions, dtype=model.dtype, device=model.device)
     if policy is not None:
         name, _, schedule = policy.partition(":")
         return build_cache(name, pool, model, {"budget": 24, "schedule": schedule or "decode"})
@@ -30,14 +30,14 @@ def new_cache(model, num_pages=256, page_size=16, policy=None):
 
 def capture_decisions(model):
     """Record the hard decisions ``alpha [1, H_kv, n]`` of every layer of the next forwards (of one sequence each)."""
-    seen, original = [], model._decisions
+    seen, original = [], model.decisions.decide
 
     def spy(*args):
         alpha, omega = original(*args)  # [n, H_kv]: tokens as rows
         seen.append(alpha.T[None])
         return alpha, omega
 
-    model._decisions = spy
+    model.decisions.decide = spy
     return seen
 
 

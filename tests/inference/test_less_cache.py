@@ -50,7 +50,7 @@ def test_decoding_equals_the_parallel_form(policy, schedule):
     g = torch.Generator().manual_seed(1)
     sequences = [torch.randperm(SHAPE.vocab_size, generator=g)[:n] for n in (40, 29, 33)]
     prompts = [5, 1, 20]
-    cache = build_cache("less", new_pool(), model, {})
+    cache = build_cache("less", new_pool(device=model.device), model, {})
     assert model.default_cache == "less" and cache.name == "less"
     got, _ = decode_through_cache(model, cache, sequences, prompts)
     for i, (seq, p) in enumerate(zip(sequences, prompts)):
@@ -65,7 +65,7 @@ def test_decoding_equals_the_parallel_form(policy, schedule):
 def test_the_state_is_the_sum_over_every_evicted_pair():
     model = less_model(seed=2)
     seq = torch.randperm(SHAPE.vocab_size, generator=torch.Generator().manual_seed(2))[:45]
-    cache = build_cache("less", new_pool(), model, {})
+    cache = build_cache("less", new_pool(device=model.device), model, {})
     decode_through_cache(model, cache, [seq[:-1]], [6])  # the last token is never fed
     captured = {}
 

@@ -37,7 +37,7 @@ def one_thread():
 def new_pool(model, num_pages=512, max_batch=4):
     s = model.shape
     return PagePool(num_pages, 16, s.head_dim, max_batch * s.num_layers * s.num_kv_heads, s.max_positions,
-                    dtype=model.dtype)
+                    dtype=model.dtype, device=model.device)
 
 
 def assert_engine_matches_parallel(model, options, sequences, prompt_lens, atol=1e-4):

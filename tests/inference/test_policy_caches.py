@@ -8,12 +8,11 @@ import torch
 
 from dmc_train.errors import InferenceError
 from dmc_train.evaluation.incremental import teacher_forced_decode
-from dmc_train.inference.caches import build_cache
+from dmc_train.inference.caches import EvictingCache, build_cache
 from dmc_train.inference.engine import Engine
 from dmc_train.inference.model import LlamaForInference, ModelShape
 from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams
-from dmc_train.inference.caches import EvictingCache
 from dmc_train.policies import POLICIES, PolicyConfig, Scorer, build_scorer
 from tests.inference.conftest import SHAPE, random_weights
 
@@ -21,8 +20,9 @@ SCHEDULES = ["decode", "prefill"]
 BUDGET = 20
 
 
-def new_pool(shape=SHAPE, num_pages=256):
-    return PagePool(num_pages, 16, shape.head_dim, 16 * shape.num_layers * shape.num_kv_heads, shape.max_positions)
+def new_pool(shape=SHAPE, num_pages=256, device="cpu"):
+    return PagePool(num_pages, 16, shape.head_dim, 16 * shape.num_layers * shape.num_kv_heads, shape.max_positions,
+                    device=device)
 
 
 def decode_through_cache(model, cache, sequences, prompt_lens, record=True):
@@ -42,7 +42,7 @@ def assert_engine_matches_parallel(model, policy, schedule, sequences, prompt_le
     decode schedule with ``record``, the same kept positions after every decode step of every sequence."""
     options = {"budget": budget, "schedule": schedule}
     s = model.shape
-    cache = build_cache(policy, new_pool(s), model, options)
+    cache = build_cache(policy, new_pool(s, device=model.device), model, options)
     got, kept = decode_through_cache(model, cache, sequences, prompt_lens, record)
     scorer = build_scorer(policy, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
     for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
@@ -87,7 +87,8 @@ def test_a_priority_that_reads_the_layer_gets_each_layers_index(make_model):
     model = make_model("full")
     s = model.shape
     scorer = LayerDependent(PolicyConfig(budget=BUDGET), s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
-    cache = EvictingCache(new_pool(), s.num_layers, s.num_kv_heads, model.scale, scorer, BUDGET, s.max_positions)
+    cache = EvictingCache(new_pool(device=model.device), s.num_layers, s.num_kv_heads, model.scale, scorer, BUDGET,
+                          s.max_positions)
     g = torch.Generator().manual_seed(5)
     sequences = [torch.randperm(SHAPE.vocab_size, generator=g)[:n] for n in (44, 38)]
     _, kept = decode_through_cache(model, cache, sequences, [6, 1])
