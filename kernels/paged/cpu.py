@@ -233,11 +233,15 @@ class DecodeAttention:
         self._max_pages, self._spare_left, self._rows, self._decisions = block_table.shape[1], spare_left, None, None
         self._slots = None
         self.width = h * dv
-        self.call = _DecodeCall(None, 0, seq_lens.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-                                block_table.shape[1], k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[1], d, dv,
-                                h // kv, kv, (h + kv) * d + kv * dv, *_loan_args(spare, spare_left), None, None,
-                                *_state_args(open_state), _ptr(open_tokens), None, 0.0, 0.0, 0.0, scale,
-                                torch.get_num_threads(), None, None, 0, 0)
+        spare_ptr, left_ptr = _loan_args(spare, spare_left)
+        state, s_row, s_ring, ring = _state_args(open_state)
+        # the rows, decisions, slots and scores are set per call (for_rows, with_decisions, deciding, at_slots)
+        self.call = _DecodeCall(
+            seq_lens=seq_lens.data_ptr(), block_table=block_table.data_ptr(), table_stride=block_table.stride(0),
+            max_pages=block_table.shape[1], k_pages=k_pages.data_ptr(), v_pages=v_pages.data_ptr(),
+            page_size=k_pages.shape[1], d=d, dv=dv, groups=h // kv, kv_heads=kv, token_stride=(h + kv) * d + kv * dv,
+            spare=spare_ptr, left=left_ptr, state=state, s_row=s_row, s_ring=s_ring, ring=ring,
+            open_tokens=_ptr(open_tokens), scale=scale, num_threads=torch.get_num_threads())
         self.function = ctypes.cast(library().decode_call_f32, ctypes.c_void_p).value
         self.context = ctypes.addressof(self.call)
 
