@@ -163,7 +163,8 @@ def _remove(*paths: str) -> None:
 
 
 def import_hf(source: str, out: str, overwrite: bool = False, dtype: str = "fp32", verify: str = "streaming",
-              hf_output: str | None = None, require_tokenizer: bool = False) -> str:
+              hf_output: str | None = None, require_tokenizer: bool = False,
+              log: Callable[[str], None] = lambda line: None) -> str:
     """Import the Hugging Face Llama directory (or Llama GGUF file) ``source`` into the weights-only checkpoint
     ``out`` (loadable at any layout with ``checkpoint.init_from``), verified with ``verify`` (``streaming``
     or ``full``, :func:`verify_import`). One process; returns ``out``.
@@ -171,20 +172,24 @@ def import_hf(source: str, out: str, overwrite: bool = False, dtype: str = "fp32
     A ``.gguf`` file is first converted into a Hugging Face directory
     (:func:`~dmc_train.conversion.gguf_import.gguf_to_hf`, bf16 for ``dtype="bf16"``, else fp32) at
     ``<out>.gguf_hf``, imported from there, then renamed to ``hf_output`` (kept) or removed. ``require_tokenizer``:
-    a directory without tokenizer files is refused (one line, nothing written)."""
+    a directory without tokenizer files is refused (one line, nothing written). ``log`` gets the verifications'
+    numbers."""
     source, out = os.path.abspath(source), os.path.abspath(out)
     if verify not in VERIFY:
         raise ConfigError(f"verify={verify!r} is not one of {', '.join(VERIFY)}")
     if not is_gguf(source):
-        return _import_dir(source, out, overwrite, dtype, verify, require_tokenizer, {"hf_source": source})
+        return _import_dir(source, out, overwrite, dtype, verify, require_tokenizer, {"hf_source": source}, log)
     check_output(out, overwrite, source)
     hf_output = os.path.abspath(hf_output) if hf_output else None
     if hf_output:
         check_output(hf_output, overwrite, source)
     converted = out + ".gguf_hf"
     try:
-        gguf_to_hf(source, converted, dtype="bf16" if dtype == "bf16" else "fp32", overwrite=True)
-        _import_dir(converted, out, overwrite, dtype, verify, True, {"hf_source": hf_output, "gguf_source": source})
+        checked = gguf_to_hf(source, converted, dtype="bf16" if dtype == "bf16" else "fp32", overwrite=True)
+        log(f"converted {source} ({checked['gguf']['tensor_types']}): logits of the Hugging Face directory vs "
+            f"transformers' loading of the GGUF file: {_numbers(checked['verification'])}")
+        _import_dir(converted, out, overwrite, dtype, verify, True, {"hf_source": hf_output, "gguf_source": source},
+                    log)
         if hf_output:
             replace_dir(converted, hf_output)
     finally:
@@ -192,8 +197,13 @@ def import_hf(source: str, out: str, overwrite: bool = False, dtype: str = "fp32
     return out
 
 
+def _numbers(checked: dict) -> str:
+    return (f"max |diff| {checked['max_abs_logit_diff']:.3g}, relative {checked['relative_error']:.2e} "
+            f"(tolerance {checked['tolerance']:.0e})")
+
+
 def _import_dir(hf_dir: str, out: str, overwrite: bool, dtype: str, verify: str, require_tokenizer: bool,
-                sources: dict) -> str:
+                sources: dict, log: Callable[[str], None]) -> str:
     """:func:`import_hf` of a Hugging Face directory; ``sources`` go into ``meta.json``."""
     hf = read_hf_config(hf_dir)
     check_hf_config(hf, hf_dir)
@@ -216,7 +226,8 @@ def _import_dir(hf_dir: str, out: str, overwrite: bool, dtype: str, verify: str,
                                 "tokenizer": cfg.data.tokenizer})
         if tok_rel:
             os.rename(tok_tmp, os.path.join(staging, "tokenizer"))
-        verify_import(hf_dir, staging, dtype, verify)
+        checked = verify_import(hf_dir, staging, dtype, verify)
+        log(f"imported: logits of the checkpoint vs the Hugging Face directory ({verify}): {_numbers(checked)}")
         replace_dir(staging, out)  # --overwrite: the old one goes only now that the new one is complete
     except BaseException:
         _remove(staging, staging + ".tmp", tok_tmp)

@@ -106,4 +106,4 @@ def prepare_model(source: str, out: str, hf_output: Optional[str] = None, dtype:
     if is_gguf(path):
         log(f"converting {path} (GGUF) and importing it into {out}")
     return import_hf(path, out, overwrite=overwrite, dtype=dtype, verify=verify, hf_output=hf_output,
-                     require_tokenizer=True)
+                     require_tokenizer=True, log=log)
