@@ -12,17 +12,16 @@ GGUF ("quantized with gguf and is not serializable"), so its dequantised state d
 **Dequantisation** (``gguf.quants.dequantize``, numpy, to fp32): every quantised tensor is stored in blocks
 of 32 weights (256 for the K-quants) sharing an fp16 scale; Q8_0 stores ``w = d * q`` with ``q`` int8,
 Q4_1 ``w = d * q + m`` with ``q`` in 0..15 and an fp16 minimum ``m``, Q4_0 ``w = d * (q - 8)``; the
-K-quants add per-sub-block scales. The result is exactly the values llama.cpp computes with, in fp32; norms
-and other F32 / F16 / BF16 tensors are read as stored. ``dtype="bf16"`` then rounds every weight to
-bf16 (a second rounding on top of the quantisation); ``fp32`` (the default) keeps the dequantised values
-exactly, so the checkpoint computes what llama.cpp's file describes.
+K-quants add per-sub-block scales. The result is fp32 (each block's formula evaluated once); norms and other
+F32 / F16 / BF16 tensors are read as stored. ``dtype="bf16"`` then rounds every weight to bf16 (a second
+rounding on top of the quantisation); ``fp32`` (the default) keeps the dequantised values exactly.
 
 Before anything is written the file is checked (one line each, :func:`check_gguf`): architecture ``llama``,
 every tensor of a type ``gguf`` can dequantise, no RoPE-scaling factors (``rope_freqs.weight``, which
 transformers does not read), and a tokenizer when one is required. The directory is written to
 ``<out>.tmp``, its logits on the fixed prompt are compared with those of transformers' own GGUF-loaded model
 (:data:`~dmc_train.conversion.LOGIT_TOLERANCE` for ``dtype``), and only then renamed to ``out``.
-Memory: the dequantised model twice at most (transformers' and the saved copy share no storage).
+Memory: the dequantised model once in fp32 (the saved copy holds transformers' own tensors; bf16 adds a bf16 copy).
 """
 
 from __future__ import annotations
