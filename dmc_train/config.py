@@ -40,7 +40,11 @@ ROPE_SCALING_TYPES = ("none", "llama3", "linear")
 
 @dataclass
 class ModelConfig:
-    """Llama architecture shape (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings)."""
+    """Llama architecture shape (RMSNorm, SwiGLU, RoPE, GQA, no biases; embeddings tied or untied).
+
+    ``tie_embeddings``: the output layer is the input embedding (Hugging Face ``tie_word_embeddings``):
+    one matrix, stored once in checkpoints and trained as one (megatron's
+    ``share_embeddings_and_output_weights``)."""
 
     name: str = MISSING
     num_layers: int = MISSING
@@ -54,7 +58,7 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # type none = unscaled
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-
+    tie_embeddings: bool = False
 
 
 @dataclass

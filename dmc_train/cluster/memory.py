@@ -98,7 +98,8 @@ def _stage(cfg: Any, lay: ParallelLayout, first: bool, last: bool, pipeline_rank
     layers = m.num_layers // lay.pipeline
     params = layers * (split // lay.tensor + replicated)
     vocab_shard = m.vocab_size * m.hidden_size // lay.tensor
-    params += vocab_shard * (int(first) + int(last)) + (m.hidden_size if last else 0)
+    one_stage_tied = first and last and getattr(m, "tie_embeddings", False)  # one matrix (PP>1: a copy per end)
+    params += vocab_shard * (int(first) + int(last) - int(one_stage_tied)) + (m.hidden_size if last else 0)
 
     sixteen_bit = t.precision != "fp32"
     weights = params * (2 if sixteen_bit else 4)

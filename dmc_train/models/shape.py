@@ -1,7 +1,8 @@
 """Parameter counts of our Llama (``dmc_train/models/llama.py``) from the model config alone.
 
 Pure Python, no torch: ``dmc_train.cluster.memory`` (the fast SLURM dry run) uses it too. What is
-counted is what the model builds: untied embedding and output layer, and per layer the fused QKV
+counted is what the model builds: the embedding and the output layer (one matrix when
+``model.tie_embeddings``), and per layer the fused QKV
 (``heads + 2 * groups`` heads of ``head_dim`` rows), the output projection, the SwiGLU MLP
 (``linear_fc1 = [gate; up]`` and ``linear_fc2``), two RMSNorm weights; then the final RMSNorm.
 No biases. ``tests/models/test_llama_weights.py`` checks it against a built model.
@@ -24,6 +25,8 @@ def layer_parameters(m: Any) -> tuple[int, int]:
 
 
 def count_parameters(m: Any) -> int:
-    """Parameters of the full model (all ranks): embedding, layers, final norm, output layer."""
+    """Parameters of the full model (all ranks): embedding, layers, final norm, output layer (none of its own
+    when tied)."""
     split, replicated = layer_parameters(m)
-    return 2 * m.vocab_size * m.hidden_size + m.num_layers * (split + replicated) + m.hidden_size
+    embeddings = 1 if getattr(m, "tie_embeddings", False) else 2
+    return embeddings * m.vocab_size * m.hidden_size + m.num_layers * (split + replicated) + m.hidden_size

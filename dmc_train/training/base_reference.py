@@ -34,6 +34,7 @@ from dmc_train.errors import CheckpointError
 from dmc_train.training import hf_loading
 from dmc_train.training.checkpoint_dirs import (
     META,
+    MODEL_SHAPE_DEFAULTS,
     MODEL_SHAPE_FIELDS,
     complete_checkpoints,
     find_checkpoint,
@@ -50,7 +51,8 @@ def _fix(ckpt: str) -> str:
 
 def _signature(model: Any) -> dict:
     """The shape fields of a model node (``num_query_groups`` resolved: null means MHA)."""
-    return {k: (kv_groups(model) if k == "num_query_groups" else model.get(k)) for k in MODEL_SHAPE_FIELDS}
+    return {k: (kv_groups(model) if k == "num_query_groups" else model.get(k, MODEL_SHAPE_DEFAULTS.get(k)))
+            for k in MODEL_SHAPE_FIELDS}
 
 
 def describe(path: str, cfg: Any) -> dict:
@@ -123,7 +125,8 @@ def check(ckpt: str, base: dict, path: str) -> None:
                                   + _fix(ckpt))
         have = _signature(OmegaConf.create(meta["config"]["model"]))
         step = (meta["step"], meta.get("consumed_samples"))
-    diffs = [f"{k} {base['model'][k]} vs {have[k]}" for k in MODEL_SHAPE_FIELDS if base["model"].get(k) != have[k]]
+    recorded = {k: base["model"].get(k, MODEL_SHAPE_DEFAULTS.get(k)) for k in MODEL_SHAPE_FIELDS}
+    diffs = [f"{k} {recorded[k]} vs {have[k]}" for k in MODEL_SHAPE_FIELDS if recorded[k] != have[k]]
     if diffs:
         raise CheckpointError(f"{method_only}, and {path} is another model ({'; '.join(diffs)}): its parameters only "
                               f"run on that base; " + _fix(ckpt))

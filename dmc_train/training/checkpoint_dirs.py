@@ -30,7 +30,9 @@ from dmc_train.errors import CheckpointError
 LATEST = "latest"
 META = "meta.json"
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                      "num_query_groups", "vocab_size")
+                      "num_query_groups", "vocab_size", "tie_embeddings")
+# The value of a shape field that a config or a record written before the field existed lacks.
+MODEL_SHAPE_DEFAULTS = {"tie_embeddings": False}
 # What meta.json must hold to be used: top-level keys and the keys read inside them.
 _REQUIRED_META = {"step": (), "layout": ("tensor", "pipeline", "distributed_optimizer"), "config": ("model",)}
 
@@ -216,7 +218,7 @@ def check_model_shape(ckpt: str, meta: dict, cfg: Any) -> None:
     saved = OmegaConf.create(meta["config"]["model"])
 
     def value(model, key):  # num_query_groups: null means MHA (groups = heads)
-        return kv_groups(model) if key == "num_query_groups" else model.get(key)
+        return kv_groups(model) if key == "num_query_groups" else model.get(key, MODEL_SHAPE_DEFAULTS.get(key))
 
     diffs = [f"{k}: checkpoint {value(saved, k)} vs config {value(cfg.model, k)}"
              for k in MODEL_SHAPE_FIELDS if value(saved, k) != value(cfg.model, k)]

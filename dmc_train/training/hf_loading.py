@@ -73,6 +73,9 @@ def check_hf_model_shape(hf_dir: str, cfg: Any) -> None:
              if float(theirs[k]) != float(ours[k])]
     if theirs["rope_scaling"] != rope_scaling_fields(cfg.model):
         diffs.append(f"rope_scaling: config.json {theirs['rope_scaling']} vs config {rope_scaling_fields(cfg.model)}")
+    if theirs["tie_embeddings"] != bool(cfg.model.get("tie_embeddings", False)):
+        diffs.append(f"tie_embeddings: config.json {theirs['tie_embeddings']} vs config "
+                     f"{bool(cfg.model.get('tie_embeddings', False))}")
     if diffs:
         raise ConfigError(f"checkpoint.init_from={hf_dir} has a different model shape ({'; '.join(diffs)}); "
                           f"use the matching model config (checkpoints_tools/import_hf.py writes one)")
