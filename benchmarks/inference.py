@@ -64,6 +64,8 @@ import time
 
 import torch
 
+from dmc_train.policies import Budget
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CANDIDATES = [("base", "runs/base_tiny"), ("gqa2", "runs/gqa_tiny_g4"), ("gqa2", "runs/base_tiny_gqa4"),
               ("gqa4", "runs/gqa_tiny_g2"), ("gqa4", "runs/base_tiny_gqa2"),
@@ -321,7 +323,7 @@ def model_specs(args) -> dict[str, dict]:
     base = next(iter(models))
     for policy in args.policies:
         cache, _, fraction = policy.partition("@")
-        budget = max(1, int(float(fraction or 0.25) * args.context))
+        budget = Budget.of(float(fraction) if fraction else None).entries(args.context)
         specs[policy] = {"checkpoint": models[base], "cache": cache, "options": {"budget": budget}, "export": base}
     return specs
 

@@ -162,14 +162,14 @@ def _exit(code: int) -> None:
     sys.exit(code)
 
 
-def run_reporting_errors(fn: Callable[[], None]) -> None:
-    """Run ``fn``; user-facing errors (bad config, bad checkpoint, a file system error such as a full disk)
-    end in one line and exit code 2."""
+def run_reporting_errors(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` and return what it returns; user-facing errors (bad config, bad checkpoint, a file system error
+    such as a full disk) end in one line and exit code 2."""
     from dmc_train.distributed import silence_expected_warnings
 
     silence_expected_warnings()
     try:
-        fn()
+        return fn()
     except (UserError, OSError) as e:
         fail(str(e))
     except TrainingDiverged as e:

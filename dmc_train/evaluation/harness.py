@@ -3,12 +3,16 @@
 For a :class:`~dmc_train.inference.model.LlamaForInference` and a cache of the engine's registry (``full``,
 ``dmc``, an eviction policy at a budget, ``lightcache``, ``less``), :func:`evaluate_cache` reports:
 
+- ``budget_entries`` and ``budget_fraction``: a policy's (LESS's) budget, or LightCache's window, both ways: in
+  entries per (sequence, layer, KV head) and as a fraction of the evaluated sequence length (a fractional budget
+  is a fraction of that length, :class:`~dmc_train.policies.budget.Budget`);
 - ``ppl``, ``loss``, ``accuracy`` (next-token, argmax): held-out sequences teacher-forced through the
   cache's parallel form (:func:`~dmc_train.inference.caches.teacher_forced`), the first ``prompt_len``
   tokens of each prefilled, the rest decoded with the cache;
 - ``incremental``: the first few of those sequences decoded for real, token by token, through the engine's
   cache (:func:`~dmc_train.evaluation.incremental.teacher_forced_decode`), beside the parallel form on the
-  same sequences: the two perplexities agree (they are the same computation);
+  same sequences: the two perplexities agree (they are the same computation); ``incremental_sequences=0``
+  decodes nothing token by token, and the measures below, which come from that pass, are left out;
 - what the cache held at the end of those sequences: ``kv_bytes_per_token`` (K/V entries in use plus any
   per-row state: policy scores, DMC's open slot, LESS's ``H, z``; LightCache's projections), and
   ``compression`` = the bytes per token of the uncompressed multi-head cache of the same model
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from dmc_train.evaluation.incremental import teacher_forced_decode
-from dmc_train.inference.caches import teacher_forced
+from dmc_train.inference.caches import cache_budget, for_context, teacher_forced
 
 Progress = Optional[Callable[[str], None]]
 
@@ -126,20 +130,27 @@ def evaluate_cache(model, dataset, cache: str, options: dict[str, Any], prompt_l
                    progress: Progress = None) -> dict[str, Any]:
     """Every measure of the module docstring for ``model`` with ``cache`` (a registry name, after ``auto`` is
     resolved) and its ``options`` on ``dataset``'s first ``max_sequences`` sequences (0 = all)."""
-    forward = teacher_forced(cache, model, options)
     tokens, labels, mask = samples_of(dataset, max_sequences)
+    n = tokens.shape[1]
+    budget = cache_budget(cache, model, options, n)
+    options = for_context(cache, model, options, n)  # a fraction of the budget: of the evaluated sequence
+    forward = teacher_forced(cache, model, options)
     result: dict[str, Any] = {"cache": cache, "options": dict(options), "prompt_len": prompt_len,
-                              "sequences": len(tokens), "seq_length": tokens.shape[1]}
+                              "sequences": len(tokens), "seq_length": n}
+    if budget is not None:
+        result.update(budget_entries=budget, budget_fraction=budget / n)
     result.update(teacher_forced_metrics(forward, tokens, labels, mask, prompt_len, batch_size, progress, cache))
-    k = max(1, min(incremental_sequences, len(tokens)))
-    inc = incremental_metrics(model, cache, options, forward, tokens[:k], labels[:k], mask[:k], prompt_len)
     vanilla = vanilla_bytes_per_token(model)
+    result["vanilla_bytes_per_token"] = vanilla
+    if not incremental_sequences:
+        return result
+    k = min(incremental_sequences, len(tokens))
+    inc = incremental_metrics(model, cache, options, forward, tokens[:k], labels[:k], mask[:k], prompt_len)
     result["incremental"] = inc
     result["kv_bytes_per_token"] = inc["bytes"] / inc["tokens"]
-    result["vanilla_bytes_per_token"] = vanilla
     result["compression"] = vanilla / result["kv_bytes_per_token"]
     result["entry_compression"] = inc["tokens"] * inc["rows"] / inc["entries"]
     if kv_budget_seqs:
-        budget = kv_budget_seqs * vanilla * tokens.shape[1]
-        result["decode"] = decode_throughput(model, cache, options, tokens[:k], budget, inc["max_page_bytes"])
+        kv_bytes = kv_budget_seqs * vanilla * n
+        result["decode"] = decode_throughput(model, cache, options, tokens[:k], kv_bytes, inc["max_page_bytes"])
     return result

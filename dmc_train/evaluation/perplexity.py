@@ -9,7 +9,7 @@ from typing import Any
 
 from dmc_train import distributed
 from dmc_train.data.datasets import build_datasets
-from dmc_train.errors import CheckpointError
+from dmc_train.errors import CheckpointError, ConfigError, DataError
 from dmc_train.training.checkpoint_dirs import checkpoint_root, find_checkpoint, read_latest, read_meta
 from dmc_train.training.forward import evaluate_loss
 from dmc_train.training.model_loading import load_model
@@ -40,6 +40,7 @@ def evaluate_checkpoint(cfg: Any) -> dict:
     """
     ckpt = resolve_checkpoint(cfg)
     meta = read_meta(ckpt)
+    check_eval_inputs(cfg, ckpt, meta)
     if cfg.eval.cache != "model":
         return evaluate_with_cache(cfg, ckpt, meta)
     out_path = os.path.join(cfg.run_dir, "eval.json")
@@ -69,14 +70,29 @@ def evaluate_checkpoint(cfg: Any) -> dict:
     return result
 
 
+def check_eval_inputs(cfg: Any, ckpt: str, meta: dict) -> None:
+    """One-line errors before anything is read or written: results never go into the checkpoint's directory, and
+    random tokens are evaluated only for a checkpoint trained on them."""
+    run_dir, where = os.path.realpath(cfg.run_dir), os.path.realpath(ckpt)
+    if run_dir == where or run_dir.startswith(where + os.sep):
+        raise ConfigError(f"run_dir={cfg.run_dir} is inside the checkpoint {ckpt}; results go to a run directory of "
+                          f"their own: pass run_name=<name> (or run_dir=<dir>)")
+    trained_on = meta.get("config", {}).get("data", {}).get("kind")
+    if cfg.data.kind == "synthetic" and (meta.get("hf_source") or trained_on != "synthetic"):
+        what = f"imported from {meta['hf_source']}" if meta.get("hf_source") else f"trained on data.kind={trained_on}"
+        raise DataError(f"data.kind=synthetic would evaluate {ckpt} ({what}) on random tokens; give its held-out "
+                        f"data (its recipe, e.g. +recipe=base_tiny, or data.kind=indexed data.valid_prefixes=[...] "
+                        f"data.test_prefixes=[...]; docs/EVALUATION.md)")
+
+
 def cache_options(e: Any, cache: str) -> dict[str, Any]:
     """The engine's options for ``cache`` from the ``eval`` config node: ``eval.options``, and for an eviction
-    policy its budget (default 0.25 of the context) and schedule; LESS takes ``eval.budget`` when given."""
-    from dmc_train.policies import POLICIES
+    policy its budget (default 1/4 of the evaluated sequence) and schedule; LESS takes ``eval.budget`` when given."""
+    from dmc_train.policies import POLICIES, Budget
 
     options = dict(e.options)
     if cache in POLICIES:
-        options = {"budget": 0.25 if e.budget is None else e.budget, "schedule": e.schedule, **options}
+        options = {"budget": Budget.of(e.budget).value, "schedule": e.schedule, **options}
     elif cache == "less" and e.budget is not None:
         options = {"budget": e.budget, **options}
     return options
@@ -99,10 +115,12 @@ def evaluate_with_cache(cfg: Any, ckpt: str, meta: dict) -> dict:
                               f"(evaluate it with eval.cache=model)")
     check_cache(cache, model)  # an unknown name: the line lists the caches
     options = cache_options(e, cache)
-    budget = cache_budget(cache, model, options)
+    budget = cache_budget(cache, model, options, cfg.train.seq_length)
     _, valid_data, test_data = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
     result = {"checkpoint": ckpt, "step": meta["step"], "cache": cache, "budget": budget, "schedule": e.schedule,
-              "prompt_len": e.prompt_len}
+              "prompt_len": e.prompt_len, "seq_length": cfg.train.seq_length}
+    if budget is not None:
+        result["budget_fraction"] = budget / cfg.train.seq_length
     for split, data in (("valid", valid_data), ("test", test_data)):
         if data is None:
             continue
@@ -119,6 +137,7 @@ def evaluate_with_cache(cfg: Any, ckpt: str, meta: dict) -> dict:
 
 
 def _write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)

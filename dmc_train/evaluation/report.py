@@ -33,8 +33,16 @@ def _cell(value: Any, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
+def budget_cell(entries: Optional[int], fraction: Optional[float]) -> str:
+    """A budget both ways: ``64 (0.25)``, entries per (sequence, layer, KV head) and the fraction of the context."""
+    if entries is None:
+        return "—"
+    return f"{entries}" + ("" if fraction is None else f" ({fraction:.3g})")
+
+
 def markdown_table(results: list[dict], split: str = "test", reference: Optional[float] = None) -> str:
-    """Rows of (name, cache, budget, compression, KV bytes/token, perplexity, Δ vs ``reference`` (default:
+    """Rows of (name, cache, budget (entries and fraction of the evaluated sequence), compression, KV bytes/token,
+    perplexity, Δ vs ``reference`` (default:
     the first row), next-token accuracy, the engine's perplexity on the decoded subset, decode tokens/s and
     the batch that fits the KV budget). Columns a result lacks (``eval.json`` of the trained model: no
     cache measures) show —."""
@@ -47,7 +55,8 @@ def markdown_table(results: list[dict], split: str = "test", reference: Optional
             reference = ppl
         inc, dec = m.get("incremental", {}), m.get("decode", {})
         delta = None if ppl is None or reference is None else ppl - reference
-        lines.append(f"| {r['name']} | {r.get('cache', 'model')} | {_cell(r.get('budget'), '')} | "
+        budget = budget_cell(r.get("budget"), r.get("budget_fraction"))
+        lines.append(f"| {r['name']} | {r.get('cache', 'model')} | {budget} | "
                      f"{_cell(m.get('compression'), '.2f')}× | {_cell(m.get('kv_bytes_per_token'), ',.0f')} | "
                      f"{_cell(ppl, '.2f')} | {_cell(delta, '+.2f')} | {_cell(r.get(f'{split}_accuracy'), '.3f')} | "
                      f"{_cell(inc.get('ppl_engine'), '.2f')} | {_cell(dec.get('decode_tokens_per_s'), ',.0f')} | "

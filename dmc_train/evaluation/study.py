@@ -57,7 +57,9 @@ class Cell:
     budget_offset: int = 0
 
     def budget(self, seq_length: int) -> int:
-        return int(self.fraction * seq_length) - self.budget_offset
+        from dmc_train.policies.budget import Budget
+
+        return Budget.of(float(self.fraction)).entries(seq_length) - self.budget_offset
 
 
 @dataclass(frozen=True)
@@ -177,10 +179,12 @@ def root() -> str:
 
 
 def base_config(preset: Preset) -> Any:
-    """The base run's composed config (data, tokenizer, run_dir, seq_length)."""
+    """The base run's composed config (data, tokenizer, run_dir, seq_length); an imported checkpoint as the base
+    (``base=["checkpoint.resume=<it>"]``) brings its model and its held-out data (``imported.py``)."""
+    from dmc_train.evaluation.imported import imported_overrides
     from dmc_train.recipes import load_config
 
-    return load_config([*preset.base, *preset.model])
+    return load_config(imported_overrides([*preset.base, *preset.model]))
 
 
 def cell_path(out: str, name: str) -> str:
@@ -245,7 +249,13 @@ def _finished(run_dir: str, steps: Optional[int] = None) -> bool:
 
 
 def ensure_base(preset: Preset, log: str, say: Callable[[str], None]) -> str:
-    """The base run's directory, trained first when it has no checkpoint yet (``launch/pretrain.py``)."""
+    """The base run's directory, trained first when it has no checkpoint yet (``launch/pretrain.py``); an imported
+    checkpoint named by the base is the base itself."""
+    from dmc_train.evaluation.imported import imported_checkpoint
+
+    found = imported_checkpoint(list(preset.base))
+    if found is not None:
+        return found[0]
     cfg = base_config(preset)
     run_dir = os.path.join(root(), cfg.run_dir)
     if not _finished(run_dir, cfg.train.max_steps):
@@ -284,9 +294,9 @@ def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None
     from dmc_train.inference.caches import cache_budget
     from dmc_train.inference.model import LlamaForInference
     from dmc_train.policies import POLICIES
-    from dmc_train.training.checkpoint_dirs import read_latest
+    from dmc_train.training.checkpoint_dirs import find_checkpoint
 
-    ckpt = read_latest(os.path.join(checkpoint_dir, "checkpoints"))
+    ckpt = find_checkpoint(checkpoint_dir)
     model, loaded = LlamaForInference.from_checkpoint(ckpt, device=device)
     cfg = base_config(preset)
     _, _, test = build_datasets(cfg, num_train_samples=cfg.train.global_batch_size)
@@ -299,7 +309,8 @@ def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None
                        batch_size=cfg.train.micro_batch_size, incremental_sequences=2, kv_budget_seqs=0,
                        progress=progress)
     return {"name": cell.name, "method": cell.method, "fraction": cell.fraction, "checkpoint": ckpt,
-            "budget": cache_budget(cache, model, options), "seconds": time.perf_counter() - start, **r}
+            "budget": cache_budget(cache, model, options, cfg.train.seq_length),
+            "seconds": time.perf_counter() - start, **r}
 
 
 def run_cell(cell: Cell, preset: Preset, out: str, say: Callable[[str], None] = print, device: str = "cpu") -> dict:

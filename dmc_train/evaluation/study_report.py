@@ -8,6 +8,7 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
+from dmc_train.evaluation.report import budget_cell
 from dmc_train.evaluation.study import PRESETS, Preset, load_cells
 
 Say = Callable[[str], None]
@@ -60,15 +61,18 @@ def table(results: list[dict], speed: Optional[dict] = None) -> str:
     accuracy over the shipped multiple-choice tasks the cell ran (``lm_eval``)."""
     base = _vanilla(results)
     base_speed = speed.get(base["name"], {}).get("tokens_per_s") if speed and base else None
-    lines = ["| method | cell | target bytes | KV bytes / token | measured compression | perplexity | Δ vs vanilla "
+    lines = ["| method | cell | target bytes | budget (entries, fraction of the sequence) | KV bytes / token "
+             "| measured compression | perplexity | Δ vs vanilla "
              "| next-token acc. | lm-eval acc. | batch at equal KV | decode tok/s vs vanilla |",
-             "|---" * 11 + "|"]
+             "|---" * 12 + "|"]
     for r in sorted(results, key=lambda r: (-r["fraction"], r["ppl"])):
         s = (speed or {}).get(r["name"], {})
         ratio = f"{s['tokens_per_s'] / base_speed:.2f}×" if s and base_speed else "—"
         lm = statistics.mean(r["lm_eval"].values()) if r.get("lm_eval") else None
         delta = f"{r['ppl'] - base['ppl']:+.2f}" if base else "—"
-        lines.append(f"| {r['method']} | {r['name']} | {_fraction(r['fraction'])} | {r['kv_bytes_per_token']:,.0f} | "
+        lines.append(f"| {r['method']} | {r['name']} | {_fraction(r['fraction'])} | "
+                     f"{budget_cell(r.get('budget_entries'), r.get('budget_fraction'))} | "
+                     f"{r['kv_bytes_per_token']:,.0f} | "
                      f"{r['compression']:.2f}× | {r['ppl']:.2f} | {delta} | {r['accuracy']:.3f} | "
                      f"{'—' if lm is None else f'{lm:.3f}'} | {s.get('batch', '—')} | {ratio} |")
     return "\n".join(lines)

@@ -133,7 +133,7 @@ class Engine:
         max_batch: most requests running at once (rows of the block table).
         max_prefill_tokens: most prompt tokens prefilled together in one forward (it bounds the activations of
             a batched prefill; a longer prompt goes alone); None: no limit.
-        cache_options: the cache's options, e.g. ``budget=128`` (or ``0.25`` of the context),
+        cache_options: the cache's options, e.g. ``budget=128`` (entries; ``Budget.entries`` resolves a fraction),
             ``schedule="decode"``, ``recent_fraction=0.5`` (``docs/INFERENCE.md``).
     """
 

@@ -55,7 +55,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from dmc_train.errors import ConfigError, InferenceError
-from dmc_train.policies import Entries, Scorer, Step, build_scorer
+from dmc_train.policies import Budget, Entries, Scorer, Step, build_scorer
 from dmc_train.policies.base import choose_victims, insert
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
 
@@ -97,9 +97,10 @@ class PolicyLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, scorer: Scorer, budget: int, layer: int, max_new_tokens: int = 0):
+    def __init__(self, scorer: Scorer, layer: int, max_new_tokens: int = 0):
         super().__init__()
-        self.scorer, self.budget, self.layer, self.horizon = scorer, budget, layer, max_new_tokens
+        self.scorer, self.layer, self.horizon = scorer, layer, max_new_tokens
+        self.budget = 0  # entries, set by the prompt: a fraction is of the prompt + max_new_tokens
         self.evicting = scorer.cfg.schedule == "decode"
         self.entries: Optional[Entries] = None
         self.seen = self.prompt_len = 0
@@ -132,11 +133,11 @@ class PolicyLayer(CacheLayerMixin):
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
-        return self.budget if self.evicting else -1
+        return self.budget if self.evicting and self.budget else -1
 
     def reset(self) -> None:
         self.keys = self.values = self.entries = None
-        self.seen = self.prompt_len = 0
+        self.seen = self.prompt_len = self.budget = 0
         self.pending = self.is_initialized = False
 
     def _unsupported(self, *args, **kwargs):
@@ -179,6 +180,7 @@ class PolicyLayer(CacheLayerMixin):
         n, s = b * hk, self.scorer
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale, enable_gqa=q.shape[1] != hk)
         scores = s.prompt_scores(q, k, self.layer).reshape(n, p)
+        self.budget = s.budget(p + self.horizon)
         keep, fixed = prompt_keep(s, self.budget, p)
         kept = compress_prompt(s, scores, keep, fixed, hk).to(k.device)  # [N, keep] positions (= prompt slots)
         width = self.budget if self.evicting else keep + self.horizon
@@ -260,8 +262,8 @@ class PolicyCache(Cache):
     """A transformers ``Cache`` that evicts with the policy ``policy`` (a name of
     :data:`dmc_train.policies.POLICIES`) at ``options["budget"]`` entries per (sequence, layer, KV head).
 
-    ``options``: the policy's options (``budget``: entries, or a fraction of the model's
-    ``max_position_embeddings``; ``schedule``: ``decode`` | ``prefill``; ``compression_ratio``; the policy's
+    ``options``: the policy's options (``budget``: entries, or a fraction of the context: the prompt +
+    ``max_new_tokens``; ``schedule``: ``decode`` | ``prefill``; ``compression_ratio``; the policy's
     own, e.g. H2O's ``recent_fraction``). ``max_new_tokens``: the generation length (Keyformer's
     temperature schedule; the ``prefill`` schedule's buffer size). Switches ``model`` to the ``"dmc_policy"``
     attention (:func:`use_policy_attention`). One cache serves one ``generate()`` call.
@@ -273,11 +275,12 @@ class PolicyCache(Cache):
         hk = getattr(config, "num_key_value_heads", None) or h
         d = getattr(config, "head_dim", None) or config.hidden_size // h
         self.scorer = build_scorer(policy, options, d, h // hk, d ** -0.5)
-        self.budget = self.scorer.budget(config.max_position_embeddings)
+        if not Budget.of(self.scorer.cfg.budget).is_fraction:
+            self.scorer.budget(None)  # entries: checked against the fixed part now
         if getattr(self.scorer.cfg, "tau_schedule", None) == "paper" and max_new_tokens <= 0:
             raise ConfigError(f"{policy}'s tau_schedule='paper' needs the generation length: pass max_new_tokens= "
                               f"(as given to generate), or use tau_schedule='code'")
-        super().__init__(layers=[PolicyLayer(self.scorer, self.budget, i, max_new_tokens)
+        super().__init__(layers=[PolicyLayer(self.scorer, i, max_new_tokens)
                                  for i in range(config.num_hidden_layers)])
         use_policy_attention(model)
 

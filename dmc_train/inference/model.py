@@ -171,7 +171,7 @@ class LlamaForInference:
         shape = ModelShape.from_config(loaded.cfg.model)
         dmc, less, cache = None, None, METHODS[loaded.cfg.method.name].cache  # the method declares its cache
         if cache == "less":  # the method's own modules, beside the Llama weights
-            less = LESSWeights.pop_from(state, loaded.cfg.method, shape.max_positions)
+            less = LESSWeights.pop_from(state, loaded.cfg.method, loaded.cfg.train.seq_length)
         weights = megatron_to_hf(state, shape.num_heads, shape.num_kv_heads)
         if cache == "dmc":
             dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))

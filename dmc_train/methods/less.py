@@ -40,7 +40,7 @@ def less_scorer(cfg: Any):
     options = {"budget": m.budget, **dict(m.policy_options)}
     scorer = build_scorer(m.policy, options, head_dim, model.num_attention_heads // kv_groups(model),
                           head_dim ** -0.5)
-    budget = scorer.budget(model.max_position_embeddings)
+    budget = scorer.budget(cfg.train.seq_length)  # a fraction: of the sequence the parallel form sees
     if scorer.cfg.aggregate == "layer" and cfg.parallel.tensor > 1:
         raise ConfigError(f"method.policy={m.policy} averages its scores over the KV heads of a layer, which "
                           f"tensor parallelism splits; add +method.policy_options.aggregate=kv_head")

@@ -19,6 +19,7 @@ from typing import Any
 
 from dmc_train.errors import ConfigError
 from dmc_train.policies.base import Entries, PolicyConfig, Scorer, Step, make_config
+from dmc_train.policies.budget import Budget
 from dmc_train.policies.h2o import H2O
 from dmc_train.policies.keyformer import Keyformer
 from dmc_train.policies.knorm import Knorm
@@ -45,4 +46,4 @@ def build_scorer(name: str, options: dict[str, Any], head_dim: int, group: int, 
     return POLICIES[name](cfg, head_dim, group, scale)
 
 
-__all__ = ["POLICIES", "Entries", "PolicyConfig", "Scorer", "Step", "build_scorer", "policy_config"]
+__all__ = ["POLICIES", "Budget", "Entries", "PolicyConfig", "Scorer", "Step", "build_scorer", "policy_config"]

@@ -33,6 +33,8 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from dmc_train.errors import ConfigError
+from dmc_train.policies.budget import DEFAULT as DEFAULT_BUDGET
+from dmc_train.policies.budget import Budget
 from kernels import eviction
 
 SCHEDULES = ("decode", "prefill")
@@ -41,13 +43,14 @@ AGGREGATES = ("kv_head", "layer")
 
 @dataclass
 class PolicyConfig:
-    """Options every policy has. ``budget``: entries per (sequence, layer, KV head), an integer >= 1 or a
-    fraction in (0, 1) of the model's context; ``schedule``: ``decode`` | ``prefill``;
+    """Options every policy has. ``budget``: entries per (sequence, layer, KV head), a number of entries or a
+    fraction of the context evaluated or generated (:class:`~dmc_train.policies.budget.Budget`); ``schedule``:
+    ``decode`` | ``prefill``;
     ``compression_ratio``: the fraction of the prompt the ``prefill`` schedule removes (kvpress's);
     ``aggregate``: priorities per KV head, or averaged over the KV heads of a layer (every KV head then
     keeps the same positions). A policy with randomness adds ``seed`` (Keyformer's noise, LSH-E's projection)."""
 
-    budget: float = 0.25
+    budget: float = DEFAULT_BUDGET
     schedule: str = "decode"
     compression_ratio: float = 0.5
     aggregate: str = "kv_head"
@@ -57,16 +60,10 @@ class PolicyConfig:
             raise ConfigError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.aggregate not in AGGREGATES:
             raise ConfigError(f"aggregate={self.aggregate!r} is not one of {', '.join(AGGREGATES)}")
-        if not (self.budget >= 1 and float(self.budget).is_integer()) and not 0 < self.budget < 1:
-            raise ConfigError(f"budget={self.budget} must be a whole number of entries >= 1 or a fraction of the "
-                              f"context in (0, 1)")
+        Budget.of(self.budget)
         if not 0 <= self.compression_ratio < 1:
             raise ConfigError(f"compression_ratio={self.compression_ratio} must be in [0, 1) (the fraction of the "
                               f"prompt removed)")
-
-    def budget_entries(self, context: int) -> int:
-        """The budget in entries for a model of ``context`` positions."""
-        return int(self.budget) if self.budget >= 1 else max(1, int(self.budget * context))
 
 
 @dataclass
@@ -188,9 +185,10 @@ class Scorer:
         """``(n_sink, n_recent)`` never evicted at this budget (default: none)."""
         return 0, 0
 
-    def budget(self, context: int) -> int:
-        """The configured budget in entries for a model of ``context`` positions, checked against the fixed part."""
-        budget = self.cfg.budget_entries(context)
+    def budget(self, context: Optional[int]) -> int:
+        """The configured budget in entries for ``context`` tokens evaluated or generated (None: unknown, entries
+        only), checked against the fixed part."""
+        budget = Budget.of(self.cfg.budget).entries(context)
         self.check_budget(budget)
         return budget
 

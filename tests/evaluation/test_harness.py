@@ -77,3 +77,29 @@ def test_markdown_table_rows_and_delta():
     assert len(table) == 4 and all(line.count("|") == 12 for line in table)
     assert f"| tiny | h2o | {BUDGET} |" in table[3]
     assert f"{rows[1]['test_ppl'] - rows[0]['test_ppl']:+.2f}" in table[3]
+
+
+def test_a_fraction_budget_is_of_the_evaluated_sequence_not_of_the_models_positions():
+    """SHAPE has 128 positions; the sequences have N = 48 tokens: 0.25 keeps 12 entries per row, not 32 (which
+    would evict nothing), in the parallel form and in the engine's cache alike, and the report states both."""
+    assert SHAPE.max_positions > N
+    model = LlamaForInference(SHAPE, WEIGHTS)
+    data = dataset(2)
+    fraction = evaluate_cache(model, data, "h2o", {"budget": 0.25}, incremental_sequences=2, kv_budget_seqs=0)
+    entries = evaluate_cache(model, data, "h2o", {"budget": N // 4}, incremental_sequences=2, kv_budget_seqs=0)
+    full = evaluate_cache(model, data, "full", {}, incremental_sequences=0, kv_budget_seqs=0)
+    assert fraction["budget_entries"] == N // 4 and fraction["budget_fraction"] == 0.25
+    inc = fraction["incremental"]
+    assert inc["entries"] == (N // 4) * inc["rows"] * inc["sequences"]  # the engine kept 1/4 of each row
+    assert fraction["entry_compression"] == pytest.approx(4.0)
+    assert fraction["ppl"] == entries["ppl"] != full["ppl"]  # the parallel form evicted as much
+    assert inc["ppl_engine"] == pytest.approx(inc["ppl_parallel"], rel=1e-4)
+    assert "incremental" not in full and "compression" not in full  # incremental_sequences=0: nothing decoded
+
+
+def test_a_fraction_needs_the_context_where_requests_of_any_length_come():
+    from dmc_train.errors import InferenceError
+    from dmc_train.inference.engine import Engine
+
+    with pytest.raises(InferenceError, match="budget=0.25 is a fraction of the context"):
+        Engine(LlamaForInference(SHAPE, WEIGHTS), None, "h2o", budget=0.25)

@@ -71,43 +71,44 @@ def _own_forward(name: str) -> Callable[..., Callable]:
 
 def _scorer(name: str, model, options):
     s = model.shape
-    scorer = build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
-    return scorer, scorer.budget(s.max_positions)
+    return build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
 
 
 def _policy(name: str) -> Callable[..., KVCache]:
     def build(pool, model, options):
         s = model.shape
-        scorer, budget = _scorer(name, model, options)
-        return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, budget, s.max_positions)
+        scorer = _scorer(name, model, options)
+        return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, scorer.budget(None),
+                             s.max_positions)
     return build
 
 
 def _policy_parallel(name: str) -> Callable[..., Callable]:
     def parallel(model, options):
-        scorer, budget = _scorer(name, model, options)
-        return lambda tokens, prompt_len=1, horizon=None: model.forward_with_policy(tokens, scorer, budget,
-                                                                                    prompt_len, horizon)
+        scorer = _scorer(name, model, options)
+        return lambda tokens, prompt_len=1, horizon=None: model.forward_with_policy(
+            tokens, scorer, scorer.budget(tokens.shape[1]), prompt_len, horizon)
     return parallel
 
 
 def _less_scorer(model, options):
-    """A LESS checkpoint's policy and budget; ``options`` may change them (a LESS trained at one budget runs at
-    another: the paper's transfer rows)."""
+    """A LESS checkpoint's policy at the budget it was trained at (entries); ``options`` may change them (a LESS
+    trained at one budget runs at another: the paper's transfer rows)."""
     w = model.less
     return _scorer(w.policy, model, {**w.options, "budget": w.budget, **options})
 
 
 def _less(pool, model, options):
     s = model.shape
-    scorer, budget = _less_scorer(model, options)
-    return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, budget, s.max_positions, model.less)
+    scorer = _less_scorer(model, options)
+    return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, scorer.budget(None), s.max_positions,
+                     model.less)
 
 
 def _less_parallel(model, options):
-    scorer, budget = _less_scorer(model, options)
-    return lambda tokens, prompt_len=1, horizon=None: model.forward_with_policy(tokens, scorer, budget, prompt_len,
-                                                                                horizon, less=model.less)
+    scorer = _less_scorer(model, options)
+    return lambda tokens, prompt_len=1, horizon=None: model.forward_with_policy(
+        tokens, scorer, scorer.budget(tokens.shape[1]), prompt_len, horizon, less=model.less)
 
 
 def _lightcache_parallel(model, options):
@@ -151,16 +152,25 @@ def teacher_forced(name: str, model: Any, options: dict[str, Any]) -> Callable[.
     return _checked(name, model, lambda: CACHES[name].parallel(model, dict(options)))
 
 
-def cache_budget(name: str, model: Any, options: dict[str, Any]) -> Optional[int]:
-    """What bounds the cache ``name`` per (sequence, layer, KV head): a policy's (or LESS's) budget in entries,
-    LightCache's attention window; None for ``full`` and ``dmc``."""
+def cache_budget(name: str, model: Any, options: dict[str, Any], context: int) -> Optional[int]:
+    """What bounds the cache ``name`` per (sequence, layer, KV head) on ``context`` tokens: a policy's (or LESS's)
+    budget in entries (a fraction resolved against ``context``), LightCache's attention window; None for ``full``
+    and ``dmc``."""
     if name == "lightcache":
         return _checked(name, model, lambda: lightcache_for(model, dict(options)).settings.window)
     if name == "less":
-        return _checked(name, model, lambda: _less_scorer(model, dict(options))[1])
+        return _checked(name, model, lambda: _less_scorer(model, dict(options)).budget(context))
     if name in POLICIES:
-        return _checked(name, model, lambda: _scorer(name, model, dict(options))[1])
+        return _checked(name, model, lambda: _scorer(name, model, dict(options)).budget(context))
     return None
+
+
+def for_context(name: str, model: Any, options: dict[str, Any], context: int) -> dict[str, Any]:
+    """``options`` with a policy's (or LESS's) budget in entries for ``context`` tokens, as the engine's cache needs
+    it (the engine serves requests of any length, so a fraction of the context is resolved by whoever knows it)."""
+    if name in POLICIES or name == "less":
+        return {**options, "budget": cache_budget(name, model, options, context)}
+    return dict(options)
 
 
 def _checked(name: str, model: Any, make: Callable[[], Any]) -> Any:
@@ -175,4 +185,4 @@ def _checked(name: str, model: Any, make: Callable[[], Any]) -> Any:
 
 __all__ = ["CACHES", "DMCCache", "EvictingCache", "FullCache", "KVCache", "LESSCache", "LESSWeights",
            "PagedLightCache", "TokenInfo", "build_cache", "cache_budget", "causal_attention", "check_cache",
-           "teacher_forced", "teacher_forced_dmc"]
+           "for_context", "teacher_forced", "teacher_forced_dmc"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dmc_train.inference.caches.evicting import EvictingCache
-from dmc_train.policies import PolicyConfig
+from dmc_train.policies import Budget
 from kernels.less import less_combine, phi_k, phi_q
 
 
@@ -51,13 +51,14 @@ class LESSWeights:
     @classmethod
     def pop_from(cls, state: dict[str, torch.Tensor], method: Any, context: int) -> "LESSWeights":
         """Take the kernels out of a full (TP=1) megatron state dict (``decoder.layers.<i>.self_attention.less.<name>``,
-        removed from ``state``); the policy from the checkpoint's ``method`` config node."""
+        removed from ``state``); the policy from the checkpoint's ``method`` config node, its budget in entries for
+        the ``context`` it was trained on (``train.seq_length``)."""
         pattern = re.compile(r"decoder\.layers\.(\d+)\.self_attention\.less\.(\w+)$")
         layers: dict[int, dict[str, torch.Tensor]] = {}
         for name in [n for n in state if pattern.search(n)]:
             layer, key = pattern.search(name).groups()
             layers.setdefault(int(layer), {})[key] = state.pop(name).float()
-        budget = PolicyConfig(budget=method.budget).budget_entries(context)
+        budget = Budget.of(method.budget).entries(context)
         return cls(method.policy, budget, dict(method.policy_options), [layers[i] for i in sorted(layers)])
 
 
