@@ -74,11 +74,17 @@ def _scorer(name: str, model, options):
     return build_scorer(name, options, s.head_dim, s.num_heads // s.num_kv_heads, model.scale)
 
 
+def _engine_budget(scorer) -> Optional[int]:
+    """The budget in entries of the engine's cache (it serves requests of any length: a fraction is refused); None
+    for the prefill schedule, which does not use it."""
+    return scorer.budget(None) if scorer.cfg.schedule == "decode" else None
+
+
 def _policy(name: str) -> Callable[..., KVCache]:
     def build(pool, model, options):
         s = model.shape
         scorer = _scorer(name, model, options)
-        return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, scorer.budget(None),
+        return EvictingCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, _engine_budget(scorer),
                              s.max_positions)
     return build
 
@@ -101,8 +107,8 @@ def _less_scorer(model, options):
 def _less(pool, model, options):
     s = model.shape
     scorer = _less_scorer(model, options)
-    return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, scorer.budget(None), s.max_positions,
-                     model.less)
+    return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, _engine_budget(scorer),
+                     s.max_positions, model.less)
 
 
 def _less_parallel(model, options):

@@ -88,17 +88,19 @@ class DecodeStep:
 
 
 class EvictingCache(KVCache):
-    """A fixed budget per (sequence, layer, KV head), kept by ``scorer`` (module docstring)."""
+    """A fixed budget per (sequence, layer, KV head), kept by ``scorer`` (module docstring); ``budget``: entries
+    (None with the prefill schedule, which compresses the prompt by its ratio and evicts nothing after)."""
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, scorer: Scorer,
-                 budget: int, context: int):
+                 budget: Optional[int], context: int):
         super().__init__(pool, num_layers, num_kv_heads, scale)
-        scorer.check_budget(budget)
+        self.evicting = scorer.cfg.schedule == "decode"
+        if self.evicting:
+            scorer.check_budget(budget)
         self.scorer, self.budget, self.name = scorer, budget, scorer.name
         # not an error: a budget as large as the context is the full cache with extra bookkeeping
         self.note = (f"budget {budget} >= the model's {context} positions: {scorer.name} keeps every entry"
-                     if budget >= context else None)
-        self.evicting = scorer.cfg.schedule == "decode"
+                     if self.evicting and budget >= context else None)
         rows = pool.block_table.shape[0]
         width = budget if self.evicting else 0  # the prefill schedule keeps no state past the prompt
         on = {"device": self.device}
