@@ -19,8 +19,9 @@ run on the device raises RuntimeError naming the cause and the fix. The choice i
 :func:`set_backend` (no environment read per call).
 
 Dispatch: an op family lists each op's implementations by backend at the top of its ``__init__.py``, each with a
-fit predicate over the op's inputs (:class:`Impl`, :class:`Op`). An op runs the first implementation, in the chosen
-backend's order (itself, the backends it falls back to, ``torch`` last), whose fit takes its inputs.
+fit predicate over the op's inputs (:class:`Impl`, :class:`Op`). An op runs the first implementation, in the order
+of the backend chosen for its first input's device (itself, the backends it falls back to, ``torch`` last), whose
+fit takes its inputs.
 """
 
 from __future__ import annotations
@@ -122,6 +123,16 @@ def choose(device: torch.device) -> Backend:
     return backend
 
 
+def _chosen_for(tensor: torch.Tensor) -> Backend:
+    """:func:`choose` for ``tensor``'s device; for a CPU tensor without building its device (reading a
+    ``torch.device``'s type costs more than the rest of a dispatch)."""
+    if tensor.is_cpu:
+        backend = _chosen.get("cpu")
+        if backend is not None:
+            return backend
+    return choose(tensor.device)
+
+
 def _choose(device: torch.device) -> Backend:
     if _setting != "auto":
         backend = BACKENDS[_setting]
@@ -160,9 +171,9 @@ class Op:
             impl.backend = name
         self._order = {b: tuple(impls[n] for n in b.order if n in impls) for b in BACKENDS.values()}
 
-    def pick(self, device: torch.device, *inputs) -> Optional[Impl]:
-        """The implementation that runs ``inputs`` (tensors on ``device``)."""
-        for impl in self._order[choose(device)]:
+    def pick(self, *inputs) -> Optional[Impl]:
+        """The implementation that runs ``inputs`` (the backend chosen for the first one's device)."""
+        for impl in self._order[_chosen_for(inputs[0])]:
             if impl.fits is None or impl.fits(*inputs):
                 return impl
         return None
@@ -175,9 +186,11 @@ class Op:
                 return impl
         return None
 
-    def __call__(self, device: torch.device, *inputs):
-        """Run ``inputs`` by the implementation :meth:`pick` gives."""
-        return self.pick(device, *inputs).run(*inputs)
+    def __call__(self, *inputs):
+        """Run ``inputs`` by the implementation :meth:`pick` gives (the same loop inline: this is every op's call)."""
+        for impl in self._order[_chosen_for(inputs[0])]:
+            if impl.fits is None or impl.fits(*inputs):
+                return impl.run(*inputs)
 
 
 def lazy(module: str, name: str) -> Callable:

@@ -125,7 +125,7 @@ def partial_accumulation(
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     check_positive_int("window", window)
     check_positive_int("chunk", chunk)
-    return OPS["partial_accumulation"](k.device, k, v, alpha, omega, mode, window, chunk)
+    return OPS["partial_accumulation"](k, v, alpha, omega, mode, window, chunk)
 
 
 def dmc_attention(

@@ -41,7 +41,7 @@ OPS = {
 def victims(priority: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor, sink: int,
             recent: int) -> torch.Tensor:
     """Slot ``[..., N]`` (int64) of each row's victim (the module's docstring)."""
-    return OPS["victims"](priority.device, priority, positions, newest, int(sink), int(recent))
+    return OPS["victims"](priority, positions, newest, int(sink), int(recent))
 
 
 def hamming_sums(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -52,4 +52,4 @@ def hamming_sums(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
             or codes.shape[-1] != queries.shape[-1]):
         raise ValueError(f"queries must be [N, G, nbytes] and codes [..., N, L, nbytes], got {tuple(queries.shape)} "
                          f"and {tuple(codes.shape)}")
-    return OPS["hamming_sums"](queries.device, queries, codes)
+    return OPS["hamming_sums"](queries, codes)

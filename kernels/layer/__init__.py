@@ -80,7 +80,7 @@ class CompiledAttention(Protocol):
 def compiled_runs(*tensors: torch.Tensor) -> bool:
     """True when the compiled kernel of the chosen backend takes these tensors (a layer's weights, its inputs): CPU,
     fp32, contiguous, none needing a gradient; then :func:`layer_decode` and :func:`layer_attend_output` run."""
-    return OPS["layer_decode"].pick(tensors[0].device, *tensors) is not None
+    return OPS["layer_decode"].pick(*tensors) is not None
 
 
 def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor,
@@ -90,7 +90,7 @@ def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.
     ``rope_heads`` heads of ``head_dim`` values rotated by the tables (layouts: the module's docstring);
     ``channel_values [t, rope_heads]``: those heads' values at ``channel`` before RoPE (DMC's decision channel), or
     None without ``channel``."""
-    return OPS["rms_norm_matmul"](x.device, x, weight, eps, w, rope, rope_heads, head_dim, channel)
+    return OPS["rms_norm_matmul"](x, weight, eps, w, rope, rope_heads, head_dim, channel)
 
 
 def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -98,7 +98,7 @@ def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight:
     """A layer's output ``[t, hidden]`` from its input ``x`` and its attention's ``attn [t, H d]``: output projection ->
     residual -> RMSNorm -> SwiGLU ``down(silu(gate) * up)`` -> residual. ``all_reduce`` (tensor parallelism) sums the
     two projections' partial results over the ranks (then the tensor ops run)."""
-    return OPS["layer_output"](x.device, x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce)
+    return OPS["layer_output"](x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce)
 
 
 def layer_decode(x: torch.Tensor, norm_in: torch.Tensor, eps: float, qkv_w: torch.Tensor,

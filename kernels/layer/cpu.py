@@ -109,14 +109,15 @@ def takes(*tensors: torch.Tensor) -> bool:
     """True when the compiled kernel takes these tensors: CPU, fp32, contiguous, none needing a gradient (and the
     library built)."""
     grad = torch.is_grad_enabled()
-    return (all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not (grad and t.requires_grad)
-                for t in tensors)
-            and library() is not None)  # last: a GPU run never builds it
+    for t in tensors:  # a loop, not all() over a generator: this runs on every call of the layer ops
+        if not (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not (grad and t.requires_grad)):
+            return False
+    return library() is not None  # last: a GPU run never builds it
 
 
 def rms_norm_matmul_fits(x, weight, eps, w, rope=None, *_) -> bool:
     """The fit of :func:`kernels.layer.rms_norm_matmul`'s inputs (:func:`takes`)."""
-    return takes(x, weight, w, *(rope or ()))
+    return takes(x, weight, w) if rope is None else takes(x, weight, w, *rope)
 
 
 def layer_output_fits(x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce=None) -> bool:

@@ -241,7 +241,7 @@ def paged_attention(
     check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens, check_values)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return OPS["paged_attention"](q.device, q, k_pages, v_pages, block_table, seq_lens, float(scale), scores,
+    return OPS["paged_attention"](q, k_pages, v_pages, block_table, seq_lens, float(scale), scores,
                                   return_lse)
 
 
@@ -272,7 +272,7 @@ def paged_attention_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     kernel does both in one call; elsewhere the entries are written first (:func:`write_slots_torch`)."""
     if q.dim() != 3 or q.shape[0] != plan.rows:
         raise ValueError(f"q must be [R, G, d] with R = {plan.rows} rows of the plan, got {tuple(q.shape)}")
-    return OPS["paged_attention_planned"](q.device, q, k_pages, v_pages, plan, float(scale), scores, return_lse,
+    return OPS["paged_attention_planned"](q, k_pages, v_pages, plan, float(scale), scores, return_lse,
                                           index, append)
 
 
@@ -322,7 +322,7 @@ def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch
     if not (rows.shape == positions.shape == k.shape[:1] == v.shape[:1]):
         raise ValueError(f"rows {tuple(rows.shape)}, positions {tuple(positions.shape)}, k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)} must agree on N")
-    OPS["paged_write"](k_pages.device, k_pages, v_pages, block_table, rows, positions, k, v)
+    OPS["paged_write"](k_pages, v_pages, block_table, rows, positions, k, v)
 
 
 def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
@@ -348,7 +348,7 @@ def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
     in the kernel's dtype and layout are used as they are (no conversion call).
     """
     _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
-    return OPS["dmc_cache_update"](k_pages.device, k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v,
+    return OPS["dmc_cache_update"](k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v,
                                    open_state, open_tokens, spare, spare_left)
 
 
@@ -362,7 +362,7 @@ def dmc_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.
     _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
     if q.dim() != 3 or q.shape[0] != rows.shape[0]:
         raise ValueError(f"q must be [N, G, d] with N = {rows.shape[0]} rows, got {tuple(q.shape)}")
-    return OPS["dmc_decode"](k_pages.device, k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v,
+    return OPS["dmc_decode"](k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v,
                              open_state, open_tokens, q, float(scale), spare, spare_left)
 
 
@@ -378,7 +378,7 @@ def paged_append_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_tabl
     if q.dim() != 3 or not (q.shape[0] == rows.shape[0] == k.shape[:-1].numel() == v.shape[:-1].numel()):
         raise ValueError(f"q must be [N, G, d] and k, v hold N entries for the N = {rows.shape[0]} rows, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    return OPS["paged_append_decode"](k_pages.device, k_pages, v_pages, block_table, seq_lens, rows, k, v, q,
+    return OPS["paged_append_decode"](k_pages, v_pages, block_table, seq_lens, rows, k, v, q,
                                       float(scale), spare, spare_left)
 
 
@@ -395,7 +395,7 @@ def decode_attention(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
     (:meth:`DecodeAttention.for_rows`). ``spare`` None: no pages lent, for a cache whose rows are grown and whose
     entries are chosen before the call (an eviction policy's, :meth:`DecodeAttention.at_slots`). None where the
     compiled CPU kernel does not run (:func:`appends_in_attention_call`)."""
-    return OPS["decode_attention"](k_pages.device, k_pages, v_pages, block_table, seq_lens, heads, float(scale), spare,
+    return OPS["decode_attention"](k_pages, v_pages, block_table, seq_lens, heads, float(scale), spare,
                                    spare_left, open_state, open_tokens)
 
 

@@ -33,4 +33,4 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``logits [B, V]`` (int64 ``[B]``; ties and NaN as ``argmax``: the first maximum)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
-    return OPS["argmax"](logits.device, logits)
+    return OPS["argmax"](logits)

@@ -25,14 +25,14 @@ def pages(rows=3, groups=2, d=8, dv=8, dtype=torch.float32, table_dtype=torch.in
 
 def attention(scores=None, lse=False, **kw):
     q, kp, vp, table, lens = pages(**kw)
-    return CPU, q, kp, vp, table, lens, 0.5, scores, lse
+    return q, kp, vp, table, lens, 0.5, scores, lse
 
 
 def planned(table_plan=True, **kw):
     q, kp, vp, table, lens = pages(**kw)
     plan = (paged.DecodePlan(q.shape[0], -1, lens, [], table) if table_plan
             else plan_decode(table.long(), lens.long(), PAGE, 2 * PAGE * 8 * 4))
-    return CPU, q, kp, vp, plan, 0.5, None, False, None, None
+    return q, kp, vp, plan, 0.5, None, False, None, None
 
 
 def dmc_state(rows, d=8, dv=8):
@@ -43,64 +43,64 @@ def update(**kw):
     q, kp, vp, table, lens = pages(**kw)
     rows, n = torch.arange(q.shape[0]), q.shape[0]
     state, tokens = dmc_state(n)
-    return (CPU, kp, vp, table, lens, rows, torch.zeros(n), torch.ones(n), torch.randn(n, 8), torch.randn(n, 8), state,
+    return (kp, vp, table, lens, rows, torch.zeros(n), torch.ones(n), torch.randn(n, 8), torch.randn(n, 8), state,
             tokens, None, None)
 
 
 def dmc_decode(**kw):
-    _, kp, vp, table, lens, rows, alpha, omega, k, v, state, tokens, spare, left = update(**kw)
+    kp, vp, table, lens, rows, alpha, omega, k, v, state, tokens, spare, left = update(**kw)
     q = pages(**kw)[0]
-    return CPU, kp, vp, table, lens, rows, alpha, omega, k, v, state, tokens, q, 0.5, spare, left
+    return kp, vp, table, lens, rows, alpha, omega, k, v, state, tokens, q, 0.5, spare, left
 
 
 def append_decode(**kw):
     q, kp, vp, table, lens = pages(**kw)
     n = q.shape[0]
     spare, left = torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
-    return CPU, kp, vp, table, lens, torch.arange(n), torch.randn(n, 8), torch.randn(n, 8), q, 0.5, spare, left
+    return kp, vp, table, lens, torch.arange(n), torch.randn(n, 8), torch.randn(n, 8), q, 0.5, spare, left
 
 
 def write(**kw):
     _, kp, vp, table, lens = pages(**kw)
     n = table.shape[0]
-    return CPU, kp, vp, table, torch.arange(n), torch.full((n,), 2), torch.randn(n, 8), torch.randn(n, 8)
+    return kp, vp, table, torch.arange(n), torch.full((n,), 2), torch.randn(n, 8), torch.randn(n, 8)
 
 
 def compiled_call(heads=(4, 2), dmc_call=False, **kw):
     _, kp, vp, table, lens = pages(**kw)
     state, tokens = dmc_state(table.shape[0]) if dmc_call else (None, None)
-    return CPU, kp, vp, table, lens, heads, 0.5, None, None, state, tokens
+    return kp, vp, table, lens, heads, 0.5, None, None, state, tokens
 
 
 def partial_accumulation():
     k, alpha = torch.randn(1, 2, 6, 8), torch.rand(1, 2, 6)
-    return CPU, k, k, alpha, alpha + 0.1, "exact", 12, 32
+    return k, k, alpha, alpha + 0.1, "exact", 12, 32
 
 
 def weights(dtype=torch.float32, transposed=False, grad=False):
     """``rms_norm_matmul``'s inputs: x [3, 8], norm [8], w [8, 16] (``transposed``: a non-contiguous view)."""
     x, norm = torch.randn(3, 8, dtype=dtype), torch.ones(8, dtype=dtype)
     w = torch.randn(16, 8, dtype=dtype).T if transposed else torch.randn(8, 16, dtype=dtype)
-    return CPU, x, norm, 1e-5, w.requires_grad_(grad), None, 0, 0, None
+    return x, norm, 1e-5, w.requires_grad_(grad), None, 0, 0, None
 
 
 def layer_output(all_reduce=None):
     x, attn = torch.randn(3, 8), torch.randn(3, 8)
-    return (CPU, x, attn, torch.randn(8, 8), torch.ones(8), 1e-5, torch.randn(8, 12), torch.randn(6, 8), all_reduce)
+    return (x, attn, torch.randn(8, 8), torch.ones(8), 1e-5, torch.randn(8, 12), torch.randn(6, 8), all_reduce)
 
 
 def logits(dtype=torch.float32, vocab=10, strided=False):
     t = torch.randn(4, 2 * vocab, dtype=dtype)
-    return CPU, t[:, ::2] if strided else t[:, :vocab]
+    return t[:, ::2] if strided else t[:, :vocab]
 
 
 def victims(dtype=torch.float32, positions=torch.int64):
-    return (CPU, torch.rand(2, 3, 5, dtype=dtype), torch.arange(15, dtype=positions).view(3, 5).expand(2, 3, 5)
+    return (torch.rand(2, 3, 5, dtype=dtype), torch.arange(15, dtype=positions).view(3, 5).expand(2, 3, 5)
             .contiguous(), torch.full((3,), 20), 1, 2)
 
 
 def hamming(dtype=torch.uint8):
-    return CPU, torch.zeros(3, 2, 4, dtype=dtype), torch.zeros(2, 3, 5, 4, dtype=dtype)
+    return torch.zeros(3, 2, 4, dtype=dtype), torch.zeros(2, 3, 5, 4, dtype=dtype)
 
 
 # (op table, op, inputs, DMC_KERNELS, the backend whose implementation runs)
@@ -178,8 +178,7 @@ def test_the_dispatch_picks_the_implementation_of_the_chosen_backend_that_fits(k
     if setting == "triton":
         pytest.importorskip("triton")  # the tests run Triton on CPU under its interpreter (tests/conftest.py)
     kernels_setting(setting)
-    device, *args = inputs
-    assert table[op].pick(device, *args).backend == expected
+    assert table[op].pick(*inputs).backend == expected
 
 
 @pytest.mark.parametrize("setting, dtype, reads, appends", [

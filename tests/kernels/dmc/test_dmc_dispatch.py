@@ -41,5 +41,5 @@ def test_backend_switch_validates(device):
     on_cuda = device.type == "cuda"
     k = torch.zeros(1, 1, 2, 4, device=device)
     alpha = torch.zeros(1, 1, 2, device=device)
-    picked = OPS["partial_accumulation"].pick(device, k, k, alpha, alpha, "exact", 12, 32)
+    picked = OPS["partial_accumulation"].pick(k, k, alpha, alpha, "exact", 12, 32)
     assert (picked.backend == "triton") == on_cuda
