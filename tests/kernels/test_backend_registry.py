@@ -91,7 +91,7 @@ def layer_output(all_reduce=None):
 
 def logits(dtype=torch.float32, vocab=10, strided=False):
     t = torch.randn(4, 2 * vocab, dtype=dtype)
-    return t[:, ::2] if strided else t[:, :vocab]
+    return (t[:, ::2] if strided else t[:, :vocab],)
 
 
 def victims(dtype=torch.float32, positions=torch.int64):
