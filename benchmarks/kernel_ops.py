@@ -204,7 +204,7 @@ def cuda_report(args, device) -> None:
         tri = timed(with_backend("triton", lambda: paged_attention(q, kp, vp, table, lens)), args.repeats, device)
         pt = timed(with_backend("torch", lambda: paged_attention(q, kp, vp, table, lens)), args.repeats, device)
         fl = (timed(lambda: paged_attention_flash(q, kp, vp, table, lens, q.shape[-1] ** -0.5), args.repeats, device)
-              if flash_fits(q, kp) else float("nan"))
+              if flash_fits(q, kp, vp, table, lens, q.shape[-1] ** -0.5) else float("nan"))
         gbps = 2 * 1024 * tokens * 128 * 2 / tri / 1e9
         peak = f"{gbps / args.peak_gbps:.0%}" if args.peak_gbps else "-"
         print(f"{tokens:10d} | {tri * 1e3:9.3f} | {pt * 1e3:10.3f} | {fl * 1e3:13.3f} | {gbps:11.0f} | {peak}")

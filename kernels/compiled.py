@@ -70,15 +70,25 @@ def _warn_once(cause: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
+def find_compiler() -> Optional[str]:
+    """The C compiler: ``CC``, else ``cc`` or ``gcc`` on the PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def warn_no_compiler() -> None:
+    """Say, once per process, that the CPU kernels run their PyTorch paths for want of a compiler."""
+    _warn_once("compiler", "no C compiler (cc) found: the CPU kernels run their PyTorch paths, slower; install gcc "
+                           "or set CC to use the compiled kernels")
+
+
 def load(source: Path, what: str, argtypes: Optional[dict[str, list]] = None) -> Optional[ctypes.CDLL]:
     """The library compiled from ``source`` (built on first use, rebuilt when the cached file cannot be loaded),
     its functions' ``argtypes`` (name -> ctypes types; each returns an int, ctypes' default) set, or None when it
     cannot be built here (``what``, e.g. "the CPU paged-attention kernel", names it in the warning; one warning
     per process and cause)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
-        _warn_once("compiler", "no C compiler (cc) found: the CPU kernels run their PyTorch paths, slower; install "
-                               "gcc or set CC to use the compiled kernels")
+        warn_no_compiler()
         return None
     text = b"".join(p.read_bytes() for p in (source, *HEADERS))
     key = hashlib.sha256(text + " ".join((compiler, *FLAGS)).encode() + _cpu_flags()).hexdigest()

@@ -4,19 +4,19 @@ Layouts: q ``[b, h_q, n, d]``; k, v and the accumulated k~, v~ ``[b, h_kv, n, d]
 own head size ``d_v``); alpha, omega ``[b, h_kv, n]`` (one decision / importance per KV head and
 token). GQA: ``h_q = G h_kv``, query head j reads KV head ``j // G``.
 
-Public ops (validate their inputs, then dispatch by device in one place, ``_accumulation_impl`` /
-``_attention_impl`` below):
+Public ops (each validates its inputs, then dispatches once):
 
 - :func:`partial_accumulation`: Eq. 9, ``exact`` (chunked parallel scan) or ``window``.
 - :func:`dmc_attention`: the Fig. 3 bias in O(n) memory, custom autograd.
 
-Implementations. Accumulation: the Triton kernels (``accumulation_triton.py``) for CUDA tensors when Triton
-is installed (:mod:`kernels.backend`; ``DMC_KERNELS=torch|triton`` forces one side, Triton on CPU tensors
-under ``TRITON_INTERPRET=1``), otherwise the PyTorch scan (``accumulation.py``); the Triton module is
-imported on first use (Triton decides compiled vs interpreted when a kernel is defined). Attention:
-PyTorch's fused flash kernels (``attention_fused.py``: CPU flash on CPU; cuDNN / FlashAttention-2 / the
-memory-efficient kernel on CUDA) wherever they take the inputs, else the portable blocked version
-(``attention_blocked.py``).
+Implementations. Accumulation, by the backend :mod:`kernels.backend` chooses for the tensors' device (the table
+``OPS`` below): ``triton``'s kernels (``accumulation_triton.py``: CUDA tensors when Triton is installed; CPU tensors
+under ``TRITON_INTERPRET=1`` with ``DMC_KERNELS=triton``), imported on first use (Triton decides compiled vs
+interpreted when a kernel is defined); the PyTorch scan (``accumulation.py``) for every other backend. Attention:
+PyTorch's own kernels on every backend, chosen by ``_attention_impl``: the fused flash kernels
+(``attention_fused.py``: CPU flash on CPU; cuDNN / FlashAttention-2 / the memory-efficient kernel on CUDA) wherever
+they take the inputs, else the portable blocked version (``attention_blocked.py``). A backend adds an accumulation
+by a row in ``OPS`` (``docs/DESIGN.md``, "Adding a backend").
 
 References (``reference.py``, re-exported here): :func:`reference_partial_accumulation` (token loop),
 :func:`dense_dmc_attention` / :func:`dmc_attention_bias` (full n x n bias),
@@ -29,11 +29,10 @@ This package depends on torch only (it sits below ``dmc_train``).
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 
-from kernels.backend import use_triton
+from kernels.backend import Impl, Op, lazy
 
 from ._checks import check_gqa, check_kv, check_per_head, check_positive_int
 from .accumulation import partial_accumulation_torch
@@ -68,18 +67,15 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatch by device: the one place that picks an implementation
+# Which backend takes which inputs (kernels.backend), and dmc_attention's choice of PyTorch kernels
 # ---------------------------------------------------------------------------------------------
 
-
-def _accumulation_impl(device: torch.device) -> Callable:
-    """The implementation of :func:`partial_accumulation` for tensors on ``device``: the Triton
-    kernels where :func:`kernels.backend.use_triton` says so, else the PyTorch scan."""
-    if use_triton(device):
-        from .accumulation_triton import partial_accumulation_triton
-
-        return partial_accumulation_triton
-    return partial_accumulation_torch
+OPS = {
+    "partial_accumulation": Op({
+        "triton": Impl(lazy("kernels.dmc.accumulation_triton", "partial_accumulation_triton")),
+        "torch": Impl(partial_accumulation_torch),
+    }),
+}
 
 
 def _attention_impl(device: torch.device, dtype: torch.dtype, impl: str) -> str:
@@ -129,7 +125,7 @@ def partial_accumulation(
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     check_positive_int("window", window)
     check_positive_int("chunk", chunk)
-    return _accumulation_impl(k.device)(k, v, alpha, omega, mode, window, chunk)
+    return OPS["partial_accumulation"](k, v, alpha, omega, mode, window, chunk)
 
 
 def dmc_attention(

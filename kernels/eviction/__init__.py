@@ -8,33 +8,40 @@ Layouts: ``priority [..., N, L]`` (any float; higher stays), ``positions [..., N
 holds, -1 empty), ``newest [N]`` int (the incoming token's position, above every entry's); leading dims (e.g. the
 layers of a decode step) share ``newest``. The victim is the lowest priority among the entries outside the
 protected part (the first ``sink`` positions and, with ``recent > 0``, those above ``newest - recent``; an empty
-slot counts as protected), ties to the oldest position. On CPU for fp32 priorities and int64 or int32 positions the
-compiled kernel runs (:mod:`kernels.eviction.cpu`), elsewhere the tensor ops (:mod:`kernels.eviction.reference`).
+slot counts as protected), ties to the oldest position. Under the ``cpu_compiled`` backend
+(:mod:`kernels.backend`; the table ``OPS`` below), for CPU fp32 priorities and int64 or int32 positions (uint8 codes),
+the compiled kernel runs (:mod:`kernels.eviction.cpu`); elsewhere the tensor ops (:mod:`kernels.eviction.reference`).
+A backend adds its implementation of an op by a row in ``OPS`` (``docs/DESIGN.md``, "Adding a backend").
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.backend import get_backend
+from kernels.backend import Impl, Op
 
-from .cpu import hamming_sums_cpu, library, victims_cpu
+from .cpu import hamming_sums_cpu, hamming_sums_fits, victims_cpu, victims_fits
 from .reference import hamming, hamming_sums_torch, victims_torch
 
-__all__ = ["hamming", "hamming_sums", "victims"]
+__all__ = ["OPS", "hamming", "hamming_sums", "victims"]
+
+# Which backend takes which inputs (kernels.backend)
+OPS = {
+    "victims": Op({
+        "cpu_compiled": Impl(victims_cpu, fits=victims_fits),
+        "torch": Impl(victims_torch),
+    }),
+    "hamming_sums": Op({
+        "cpu_compiled": Impl(hamming_sums_cpu, fits=hamming_sums_fits),
+        "torch": Impl(hamming_sums_torch),
+    }),
+}
 
 
 def victims(priority: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor, sink: int,
             recent: int) -> torch.Tensor:
     """Slot ``[..., N]`` (int64) of each row's victim (the module's docstring)."""
-    if (get_backend() == "auto" and priority.is_cpu and priority.dtype == torch.float32
-            and positions.dtype in (torch.int64, torch.int32) and newest.dtype == torch.int64
-            and priority.shape == positions.shape
-            and priority.dim() >= 2 and newest.shape == priority.shape[-2:-1]
-            and priority.is_contiguous() and positions.is_contiguous() and newest.is_contiguous()
-            and library() is not None):
-        return victims_cpu(priority, positions, newest, int(sink), int(recent))
-    return victims_torch(priority, positions, newest, sink, recent)
+    return OPS["victims"](priority, positions, newest, int(sink), int(recent))
 
 
 def hamming_sums(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -45,7 +52,4 @@ def hamming_sums(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
             or codes.shape[-1] != queries.shape[-1]):
         raise ValueError(f"queries must be [N, G, nbytes] and codes [..., N, L, nbytes], got {tuple(queries.shape)} "
                          f"and {tuple(codes.shape)}")
-    if (get_backend() == "auto" and queries.is_cpu and codes.is_cpu and queries.dtype == codes.dtype == torch.uint8
-            and queries.is_contiguous() and codes.is_contiguous() and library() is not None):
-        return hamming_sums_cpu(queries, codes)
-    return hamming_sums_torch(queries, codes)
+    return OPS["hamming_sums"](queries, codes)

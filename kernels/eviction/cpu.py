@@ -24,6 +24,22 @@ def library() -> Optional[ctypes.CDLL]:
                           "hamming_sums_u8": [ptr, ptr, i64, i64, i64, i64, i64, ptr]})
 
 
+def victims_fits(priority, positions, newest, sink, recent) -> bool:
+    """True when the compiled kernel takes :func:`kernels.eviction.victims`' inputs: CPU fp32 priorities, int64 or
+    int32 positions of the same shape, int64 ``newest`` of the rows, all contiguous."""
+    return (priority.is_cpu and priority.dtype == torch.float32 and positions.dtype in (torch.int64, torch.int32)
+            and newest.dtype == torch.int64 and priority.shape == positions.shape
+            and priority.dim() >= 2 and newest.shape == priority.shape[-2:-1]
+            and priority.is_contiguous() and positions.is_contiguous() and newest.is_contiguous()
+            and library() is not None)
+
+
+def hamming_sums_fits(queries, codes) -> bool:
+    """True when the compiled kernel takes :func:`kernels.eviction.hamming_sums`' inputs: CPU uint8, contiguous."""
+    return (queries.is_cpu and codes.is_cpu and queries.dtype == codes.dtype == torch.uint8
+            and queries.is_contiguous() and codes.is_contiguous() and library() is not None)
+
+
 def hamming_sums_cpu(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """:func:`kernels.eviction.hamming_sums` by the compiled kernel (uint8, contiguous)."""
     *lead, n, length, nbytes = codes.shape

@@ -18,10 +18,13 @@ the norm weights ``[hidden]``. ``rope``: the tables of rotate-half RoPE, ``cos [
 ``sin [t, 1 or rope_heads, d]`` (:func:`dmc_train.models.rope.rope_tables`), applied to the first ``rope_heads``
 heads of the output.
 
-On CPU in fp32 without autograd (``auto`` backend) the compiled kernel runs (:mod:`kernels.layer.cpu`: the
-matrix products by PyTorch's own BLAS, the rest in loops over the rows: a decode step's layer costs its
-products and two calls); elsewhere the tensor ops of :mod:`kernels.layer.reference`. The two agree to float
-rounding: the products and RoPE bit for bit, RMSNorm's sum and SwiGLU's exp within a few ulp.
+The backend :mod:`kernels.backend` chooses for the tensors' device picks the implementation (the table ``OPS``
+below): under ``cpu_compiled``, for fp32 CPU tensors without autograd, the compiled kernel
+(:mod:`kernels.layer.cpu`: the matrix products by PyTorch's own BLAS, the rest in loops over the rows: a decode
+step's layer costs its products and two calls); for every other input and backend the tensor ops of
+:mod:`kernels.layer.reference`. The two agree to float rounding: the products and RoPE bit for bit, RMSNorm's sum
+and SwiGLU's exp within a few ulp. A backend adds its implementation of an op by a row in ``OPS``
+(``docs/DESIGN.md``, "Adding a backend").
 """
 
 from __future__ import annotations
@@ -30,13 +33,36 @@ from typing import Optional, Protocol
 
 import torch
 
-from kernels.backend import get_backend
+from kernels.backend import Impl, Op
 
-from .cpu import layer_attend_output_cpu, layer_decode_cpu, layer_output_cpu, library, rms_norm_matmul_cpu
+from .cpu import (
+    layer_attend_output_cpu,
+    layer_decode_cpu,
+    layer_output_cpu,
+    layer_output_fits,
+    rms_norm_matmul_cpu,
+    rms_norm_matmul_fits,
+    takes,
+)
 from .reference import layer_output_torch, rms_norm, rms_norm_matmul_torch, rotate
 
-__all__ = ["CompiledAttention", "rms_norm", "rotate", "rms_norm_matmul", "layer_output", "layer_decode",
+__all__ = ["OPS", "CompiledAttention", "rms_norm", "rotate", "rms_norm_matmul", "layer_output", "layer_decode",
            "layer_attend_output", "compiled_runs"]
+
+# Which backend takes which inputs (kernels.backend). "layer_decode" has no PyTorch implementation: it is the
+# question :func:`compiled_runs` asks of the weights, and a caller that hears no runs its own tensor ops around the
+# cache's attention.
+OPS = {
+    "rms_norm_matmul": Op({
+        "cpu_compiled": Impl(rms_norm_matmul_cpu, fits=rms_norm_matmul_fits),
+        "torch": Impl(rms_norm_matmul_torch),
+    }),
+    "layer_output": Op({
+        "cpu_compiled": Impl(layer_output_cpu, fits=layer_output_fits),
+        "torch": Impl(layer_output_torch),
+    }),
+    "layer_decode": Op({"cpu_compiled": Impl(layer_decode_cpu, fits=takes)}),
+}
 
 
 class CompiledAttention(Protocol):
@@ -52,12 +78,9 @@ class CompiledAttention(Protocol):
 
 
 def compiled_runs(*tensors: torch.Tensor) -> bool:
-    """True when the compiled kernel takes these tensors: CPU, fp32, contiguous, none needing a gradient."""
-    grad = torch.is_grad_enabled()
-    return (get_backend() == "auto"
-            and all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not (grad and t.requires_grad)
-                    for t in tensors)
-            and library() is not None)  # last: a GPU run never builds it
+    """True when the compiled kernel of the chosen backend takes these tensors (a layer's weights, its inputs): CPU,
+    fp32, contiguous, none needing a gradient; then :func:`layer_decode` and :func:`layer_attend_output` run."""
+    return OPS["layer_decode"].pick(*tensors) is not None
 
 
 def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor,
@@ -67,9 +90,7 @@ def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.
     ``rope_heads`` heads of ``head_dim`` values rotated by the tables (layouts: the module's docstring);
     ``channel_values [t, rope_heads]``: those heads' values at ``channel`` before RoPE (DMC's decision channel), or
     None without ``channel``."""
-    if compiled_runs(x, weight, w, *(rope or ())):
-        return rms_norm_matmul_cpu(x, weight, eps, w, rope, rope_heads, head_dim, channel)
-    return rms_norm_matmul_torch(x, weight, eps, w, rope, rope_heads, head_dim, channel)
+    return OPS["rms_norm_matmul"](x, weight, eps, w, rope, rope_heads, head_dim, channel)
 
 
 def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -77,9 +98,7 @@ def layer_output(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, weight:
     """A layer's output ``[t, hidden]`` from its input ``x`` and its attention's ``attn [t, H d]``: output projection ->
     residual -> RMSNorm -> SwiGLU ``down(silu(gate) * up)`` -> residual. ``all_reduce`` (tensor parallelism) sums the
     two projections' partial results over the ranks (then the tensor ops run)."""
-    if all_reduce is None and compiled_runs(x, attn, o_w, weight, gate_up_w, down_w):
-        return layer_output_cpu(x, attn, o_w, weight, eps, gate_up_w, down_w)
-    return layer_output_torch(x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce)
+    return OPS["layer_output"](x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce)
 
 
 def layer_decode(x: torch.Tensor, norm_in: torch.Tensor, eps: float, qkv_w: torch.Tensor,

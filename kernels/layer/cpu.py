@@ -105,6 +105,26 @@ def _out_of_memory(what: str, t: int) -> MemoryError:
     return MemoryError(f"{what} on CPU: no memory for the scratch buffers of {t} rows")
 
 
+def takes(*tensors: torch.Tensor) -> bool:
+    """True when the compiled kernel takes these tensors: CPU, fp32, contiguous, none needing a gradient (and the
+    library built)."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:  # a loop, not all() over a generator: this runs on every call of the layer ops
+        if not (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() and not (grad and t.requires_grad)):
+            return False
+    return library() is not None  # last: a GPU run never builds it
+
+
+def rms_norm_matmul_fits(x, weight, eps, w, rope=None, *_) -> bool:
+    """The fit of :func:`kernels.layer.rms_norm_matmul`'s inputs (:func:`takes`)."""
+    return takes(x, weight, w) if rope is None else takes(x, weight, w, *rope)
+
+
+def layer_output_fits(x, attn, o_w, weight, eps, gate_up_w, down_w, all_reduce=None) -> bool:
+    """The fit of :func:`kernels.layer.layer_output`'s inputs: one rank (no ``all_reduce``), :func:`takes`."""
+    return all_reduce is None and takes(x, attn, o_w, weight, gate_up_w, down_w)
+
+
 def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0, head_dim: int = 0,
                         channel: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`kernels.layer.rms_norm_matmul` by the compiled kernel (inputs fp32 and contiguous)."""
@@ -131,8 +151,9 @@ def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0
     return y, channel_values
 
 
-def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w) -> torch.Tensor:
-    """:func:`kernels.layer.layer_output` by the compiled kernel (inputs fp32 and contiguous)."""
+def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w, all_reduce=None) -> torch.Tensor:
+    """:func:`kernels.layer.layer_output` by the compiled kernel (inputs fp32 and contiguous, one rank:
+    :func:`layer_output_fits`)."""
     t, h = x.shape
     a, f = attn.shape[1], down_w.shape[0]
     _check("layer_output", attn.shape[0] == t and o_w.shape == (a, h) and weight.shape == (h,)

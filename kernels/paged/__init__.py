@@ -14,9 +14,12 @@ flash-attn's ``flash_attn_with_kvcache``):
 Every cached token is visible to the decode query (no causal mask). Rows may be ragged and their
 pages in any order.
 
-Public ops (each validates its inputs, then picks an implementation in one place, ``_impl`` and
-:func:`reads_block_table` below, by :mod:`kernels.backend`: Triton for CUDA tensors, on CPU the compiled
-kernel for fp32 decode attention and PyTorch for the rest):
+Public ops (each validates its inputs, then calls the dispatch once: ``OPS`` below is the table of which backend's
+implementation takes which inputs, and :mod:`kernels.backend` chooses the backend per device: ``triton``, or
+``flash`` then ``triton``, for CUDA tensors; ``cpu_compiled`` on CPU, whose kernels take fp32 pages; ``torch`` for
+the rest; ``DMC_KERNELS`` forces one). :func:`reads_block_table` and :func:`appends_in_attention_call` ask the same
+table before a step's tensors exist. A new backend adds its rows to ``OPS`` (``docs/DESIGN.md``, "Adding a
+backend"):
 
 - :func:`paged_attention`: decode attention. CPU, fp32: ``cpu.py`` (``cpu_kernel.c``, compiled on first use:
   each row reads its own pages in place, online softmax, rows over the OpenMP threads; without a C compiler
@@ -60,52 +63,132 @@ from typing import Callable
 
 import torch
 
-from kernels.backend import get_backend, use_triton
+from kernels.backend import Impl, Op, lazy
 
 from ._checks import check_column_sum_inputs, check_paged_inputs, check_scores
 from .column_sums import attention_column_sums_torch
 from .cpu import (
-    MAX_GROUPS,
     DecodeAttention,
+    append_decode_fits,
     cpu_kernel_fits,
     cpu_kernel_runs,
+    decode_attention_fits,
     decode_step_cpu,
-    decode_step_fits,
     dmc_cache_update_cpu,
+    dmc_decode_cpu,
+    dmc_decode_fits,
     paged_attention_cpu,
+    paged_attention_planned_cpu,
+    planned_fits,
+    update_fits,
 )
-from .flash import flash_fits, paged_attention_flash
+from .flash import flash_fits, flash_planned_fits, flash_takes, paged_attention_flash
 from .reference import reference_attention_column_sums, reference_paged_attention
 from .varlen import DecodePlan, attend_planned, paged_attention_torch, plan_decode
 from .writes import dmc_cache_update_torch, paged_write_torch, take_spare_pages_torch, write_slots_torch
 
-__all__ = ["DecodePlan", "appends_in_attention_call", "attention_column_sums", "dmc_cache_update", "dmc_decode",
-           "decode_attention", "paged_append_decode", "paged_attention", "paged_attention_planned",
+__all__ = ["DecodePlan", "OPS", "appends_in_attention_call", "attention_column_sums", "dmc_cache_update",
+           "dmc_decode", "decode_attention", "paged_append_decode", "paged_attention", "paged_attention_planned",
            "paged_decode_plan", "paged_write", "reads_block_table", "reference_attention_column_sums",
            "reference_paged_attention"]
 
 
-def _impl(name: str, device: torch.device) -> Callable:
-    """The implementation of op ``name`` for tensors on ``device`` (the one dispatch of this family)."""
-    if use_triton(device):
-        from . import triton_kernels
+# The PyTorch side of the ops that combine others: each calls the public ops (which dispatch in turn).
 
-        return getattr(triton_kernels, f"{name}_triton")
-    return {"paged_attention": paged_attention_torch, "paged_write": paged_write_torch,
-            "dmc_cache_update": dmc_cache_update_torch}[name]
+def _dmc_decode_by_ops(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens, q,
+                       scale, spare, spare_left):
+    lens = dmc_cache_update(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens,
+                            spare, spare_left)
+    return paged_attention(q, k_pages, v_pages, block_table[rows], lens, scale, check_values=False)
 
 
-def reads_block_table(device: torch.device, dtype: torch.dtype) -> bool:
+def _append_decode_by_ops(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, scale, spare, spare_left):
+    take_spare_pages_torch(block_table, seq_lens, rows, None, k_pages.shape[1], spare, spare_left)
+    lens = seq_lens[rows]
+    paged_write(k_pages, v_pages, block_table, rows, lens, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+    seq_lens[rows] = lens + 1
+    return paged_attention(q, k_pages, v_pages, block_table[rows], lens + 1, scale, check_values=False)
+
+
+def _write_appended(k_pages, v_pages, append) -> None:
+    if append is not None:
+        k, v, slots = append
+        write_slots_torch(k_pages, v_pages, slots, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+
+
+def _planned_by_table(q, k_pages, v_pages, plan, scale, scores, return_lse, index, append):
+    """Each row's new entry written first (:func:`write_slots_torch`), then :func:`paged_attention` over the plan's
+    table (its ``[index]``)."""
+    _write_appended(k_pages, v_pages, append)
+    table = plan.block_table if index is None else plan.block_table[index]
+    return paged_attention(q, k_pages, v_pages, table, plan.lens, scale, scores=scores, return_lse=return_lse,
+                           check_values=False)
+
+
+def _planned_by_ops(q, k_pages, v_pages, plan, scale, scores, return_lse, index, append):
+    """:func:`_planned_by_table` for a plan that keeps the table (a kernel reads it), else the entries written and
+    the attention over the plan's row groups (:func:`attend_planned`)."""
+    if plan.max_len < 0:
+        return _planned_by_table(q, k_pages, v_pages, plan, scale, scores, return_lse, index, append)
+    _write_appended(k_pages, v_pages, append)
+    return attend_planned(q, k_pages, v_pages, plan, scale, scores=scores, return_lse=return_lse, index=index)
+
+
+def _no_compiled_call(*inputs) -> None:
+    return None
+
+
+_triton = "kernels.paged.triton_kernels"
+
+# Which backend takes which inputs: per op, each backend's implementation, its fit over the op's inputs (as the
+# public op passes them) and, where a caller asks before the inputs exist, what the pages' device and dtype decide.
+OPS = {
+    "paged_attention": Op({
+        "flash": Impl(paged_attention_flash, fits=flash_fits, takes=flash_takes),
+        "triton": Impl(lazy(_triton, "paged_attention_triton")),
+        "cpu_compiled": Impl(paged_attention_cpu, fits=cpu_kernel_fits, takes=cpu_kernel_runs),
+        "torch": Impl(paged_attention_torch),
+    }),
+    "paged_attention_planned": Op({
+        "flash": Impl(_planned_by_table, fits=flash_planned_fits),
+        "cpu_compiled": Impl(paged_attention_planned_cpu, fits=planned_fits),
+        "torch": Impl(_planned_by_ops),
+    }),
+    "paged_write": Op({
+        "triton": Impl(lazy(_triton, "paged_write_triton")),
+        "torch": Impl(paged_write_torch),
+    }),
+    "dmc_cache_update": Op({
+        "triton": Impl(lazy(_triton, "dmc_cache_update_triton")),
+        "cpu_compiled": Impl(dmc_cache_update_cpu, fits=update_fits),
+        "torch": Impl(dmc_cache_update_torch),
+    }),
+    "dmc_decode": Op({
+        "cpu_compiled": Impl(dmc_decode_cpu, fits=dmc_decode_fits, takes=cpu_kernel_runs),
+        "torch": Impl(_dmc_decode_by_ops),
+    }),
+    "paged_append_decode": Op({
+        "cpu_compiled": Impl(decode_step_cpu, fits=append_decode_fits, takes=cpu_kernel_runs),
+        "torch": Impl(_append_decode_by_ops),
+    }),
+    "decode_attention": Op({
+        "cpu_compiled": Impl(DecodeAttention, fits=decode_attention_fits, takes=cpu_kernel_runs),
+        "torch": Impl(_no_compiled_call),
+    }),
+}
+
+
+def reads_block_table(device: torch.device, dtype: torch.dtype | None) -> bool:
     """True when paged decode attention over pages of ``dtype`` on ``device`` runs a kernel that reads each row's
-    pages through the block table itself (Triton on CUDA, the compiled CPU kernel): a :class:`DecodePlan` then
+    pages through the block table itself (Triton, flash-attn, the compiled CPU kernel): a :class:`DecodePlan` then
     keeps only the table and lengths, and no caller needs to choose pages or groups."""
-    return use_triton(device) or (get_backend() == "auto" and cpu_kernel_runs(device, dtype))
+    return OPS["paged_attention"].pick_for(device, dtype).backend != "torch"
 
 
 def appends_in_attention_call(device: torch.device, dtype: torch.dtype) -> bool:
     """True when a decode step's update and attention over pages of ``dtype`` on ``device`` run as one kernel call
     (:func:`dmc_decode`, :func:`paged_append_decode`: the compiled CPU kernel, fp32)."""
-    return get_backend() == "auto" and cpu_kernel_runs(device, dtype)
+    return OPS["paged_append_decode"].pick_for(device, dtype).backend != "torch"
 
 
 def paged_attention(
@@ -158,14 +241,8 @@ def paged_attention(
     check_paged_inputs(q, k_pages, v_pages, block_table, seq_lens, check_values)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if scores is None and not return_lse and get_backend() == "auto" and flash_fits(q, k_pages):
-        return paged_attention_flash(q, k_pages, v_pages, block_table, seq_lens, float(scale))
-    if get_backend() == "auto" and cpu_kernel_fits(q, k_pages, v_pages):
-        return paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores, return_lse)
-    impl = _impl("paged_attention", q.device)
-    if scores is None and not return_lse:
-        return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale))
-    return impl(q, k_pages, v_pages, block_table, seq_lens, float(scale), scores=scores, return_lse=return_lse)
+    return OPS["paged_attention"](q, k_pages, v_pages, block_table, seq_lens, float(scale), scores,
+                                  return_lse)
 
 
 def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int,
@@ -175,7 +252,7 @@ def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_si
     ``index``); ``page_bytes``: a K page plus a V page. Not validated: the caller builds the table (the
     engine's pool). When a kernel reads the table itself (:func:`reads_block_table` for the pages' ``dtype``;
     None: the PyTorch path's plan), only the table and lengths are kept (``max_len = -1``, no groups)."""
-    if use_triton(seq_lens.device) or (dtype is not None and reads_block_table(seq_lens.device, dtype)):
+    if reads_block_table(seq_lens.device, dtype):
         return DecodePlan(seq_lens.shape[0], -1, seq_lens, [], block_table)
     return plan_decode(block_table, seq_lens, page_size, page_bytes)
 
@@ -195,19 +272,8 @@ def paged_attention_planned(q: torch.Tensor, k_pages: torch.Tensor, v_pages: tor
     kernel does both in one call; elsewhere the entries are written first (:func:`write_slots_torch`)."""
     if q.dim() != 3 or q.shape[0] != plan.rows:
         raise ValueError(f"q must be [R, G, d] with R = {plan.rows} rows of the plan, got {tuple(q.shape)}")
-    cpu = plan.max_len < 0 and get_backend() == "auto" and cpu_kernel_fits(q, k_pages, v_pages)
-    if append is not None and not cpu:
-        k, v, slots = append
-        write_slots_torch(k_pages, v_pages, slots, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
-    if plan.max_len < 0 or (scores is None and not return_lse and get_backend() == "auto"
-                            and flash_fits(q, k_pages)):
-        table = plan.block_table if index is None else plan.block_table[index]
-        if cpu:  # no checks
-            return paged_attention_cpu(q, k_pages, v_pages, table, plan.lens, float(scale), scores, return_lse,
-                                       append)
-        return paged_attention(q, k_pages, v_pages, table, plan.lens, scale, scores=scores, return_lse=return_lse,
-                               check_values=False)
-    return attend_planned(q, k_pages, v_pages, plan, float(scale), scores=scores, return_lse=return_lse, index=index)
+    return OPS["paged_attention_planned"](q, k_pages, v_pages, plan, float(scale), scores, return_lse,
+                                          index, append)
 
 
 def attention_column_sums(
@@ -256,7 +322,7 @@ def paged_write(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch
     if not (rows.shape == positions.shape == k.shape[:1] == v.shape[:1]):
         raise ValueError(f"rows {tuple(rows.shape)}, positions {tuple(positions.shape)}, k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)} must agree on N")
-    _impl("paged_write", k_pages.device)(k_pages, v_pages, block_table, rows, positions, k, v)
+    OPS["paged_write"](k_pages, v_pages, block_table, rows, positions, k, v)
 
 
 def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
@@ -282,13 +348,8 @@ def dmc_cache_update(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
     in the kernel's dtype and layout are used as they are (no conversion call).
     """
     _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
-    if get_backend() == "auto" and decode_step_fits(k_pages, block_table, seq_lens, open_state):
-        return dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                                    open_tokens, spare, spare_left)
-    if spare is not None:
-        take_spare_pages_torch(block_table, seq_lens, rows, alpha, k_pages.shape[1], spare, spare_left)
-    return _impl("dmc_cache_update", k_pages.device)(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k,
-                                                     v, open_state, open_tokens)
+    return OPS["dmc_cache_update"](k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v,
+                                   open_state, open_tokens, spare, spare_left)
 
 
 def dmc_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -301,13 +362,8 @@ def dmc_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.
     _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens)
     if q.dim() != 3 or q.shape[0] != rows.shape[0]:
         raise ValueError(f"q must be [N, G, d] with N = {rows.shape[0]} rows, got {tuple(q.shape)}")
-    if (get_backend() == "auto" and decode_step_fits(k_pages, block_table, seq_lens, open_state)
-            and cpu_kernel_fits(q, k_pages, v_pages)):
-        return decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, float(scale), spare, spare_left,
-                               alpha, omega, open_state, open_tokens)
-    lens = dmc_cache_update(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens,
-                            spare, spare_left)
-    return paged_attention(q, k_pages, v_pages, block_table[rows], lens, scale, check_values=False)
+    return OPS["dmc_decode"](k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v,
+                             open_state, open_tokens, q, float(scale), spare, spare_left)
 
 
 def paged_append_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
@@ -322,14 +378,8 @@ def paged_append_decode(k_pages: torch.Tensor, v_pages: torch.Tensor, block_tabl
     if q.dim() != 3 or not (q.shape[0] == rows.shape[0] == k.shape[:-1].numel() == v.shape[:-1].numel()):
         raise ValueError(f"q must be [N, G, d] and k, v hold N entries for the N = {rows.shape[0]} rows, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if get_backend() == "auto" and decode_step_fits(k_pages, block_table, seq_lens) and cpu_kernel_fits(q, k_pages,
-                                                                                                       v_pages):
-        return decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, float(scale), spare, spare_left)
-    take_spare_pages_torch(block_table, seq_lens, rows, None, k_pages.shape[1], spare, spare_left)
-    lens = seq_lens[rows]
-    paged_write(k_pages, v_pages, block_table, rows, lens, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
-    seq_lens[rows] = lens + 1
-    return paged_attention(q, k_pages, v_pages, block_table[rows], lens + 1, scale, check_values=False)
+    return OPS["paged_append_decode"](k_pages, v_pages, block_table, seq_lens, rows, k, v, q,
+                                      float(scale), spare, spare_left)
 
 
 def decode_attention(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -345,11 +395,8 @@ def decode_attention(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: 
     (:meth:`DecodeAttention.for_rows`). ``spare`` None: no pages lent, for a cache whose rows are grown and whose
     entries are chosen before the call (an eviction policy's, :meth:`DecodeAttention.at_slots`). None where the
     compiled CPU kernel does not run (:func:`appends_in_attention_call`)."""
-    if not (appends_in_attention_call(k_pages.device, k_pages.dtype) and heads[0] // heads[1] <= MAX_GROUPS
-            and decode_step_fits(k_pages, block_table, seq_lens, open_state)):
-        return None
-    return DecodeAttention(k_pages, v_pages, block_table, seq_lens, heads, float(scale), spare, spare_left, open_state,
-                           open_tokens)
+    return OPS["decode_attention"](k_pages, v_pages, block_table, seq_lens, heads, float(scale), spare,
+                                   spare_left, open_state, open_tokens)
 
 
 def _check_dmc_inputs(rows, alpha, omega, k, v, open_state, open_tokens) -> None:

@@ -55,11 +55,25 @@ def cpu_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and library() is not None
 
 
-def cpu_kernel_fits(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
-    """True when this kernel takes these inputs (CPU, fp32, at most :data:`MAX_GROUPS` query heads per row)."""
+def cpu_kernel_fits(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, *_) -> bool:
+    """True when this kernel takes these inputs (CPU, fp32, at most :data:`MAX_GROUPS` query heads per row): the fit
+    of :func:`kernels.paged.paged_attention`'s inputs."""
     return (q.dtype == k_pages.dtype == v_pages.dtype == torch.float32 and q.shape[1] <= MAX_GROUPS
             and not (q.requires_grad and torch.is_grad_enabled())  # no backward: autograd takes the PyTorch path
             and cpu_kernel_runs(q.device, q.dtype))
+
+
+def planned_fits(q, k_pages, v_pages, plan, *_) -> bool:
+    """The fit of :func:`kernels.paged.paged_attention_planned`'s inputs: a plan that keeps the block table (built
+    for a kernel that reads it) and :func:`cpu_kernel_fits`."""
+    return plan.max_len < 0 and cpu_kernel_fits(q, k_pages, v_pages)
+
+
+def paged_attention_planned_cpu(q, k_pages, v_pages, plan, scale: float, scores: str | None = None,
+                                return_lse: bool = False, index: int | None = None, append=None):
+    """:func:`kernels.paged.paged_attention_planned` by the compiled kernel (:func:`planned_fits`; no checks)."""
+    table = plan.block_table if index is None else plan.block_table[index]
+    return paged_attention_cpu(q, k_pages, v_pages, table, plan.lens, scale, scores, return_lse, append)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -108,6 +122,29 @@ def decode_step_fits(k_pages, block_table, seq_lens, open_state=None) -> bool:
     return (block_table.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
             and block_table.stride(-1) == 1 and (open_state is None or open_state.stride(-1) == 1)
             and cpu_kernel_runs(k_pages.device, k_pages.dtype))
+
+
+def update_fits(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, *_) -> bool:
+    """The fit of :func:`kernels.paged.dmc_cache_update`'s inputs (:func:`decode_step_fits`)."""
+    return decode_step_fits(k_pages, block_table, seq_lens, open_state)
+
+
+def dmc_decode_fits(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens, q,
+                    *_) -> bool:
+    """The fit of :func:`kernels.paged.dmc_decode`'s inputs: the update's and the attention's."""
+    return decode_step_fits(k_pages, block_table, seq_lens, open_state) and cpu_kernel_fits(q, k_pages, v_pages)
+
+
+def append_decode_fits(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, *_) -> bool:
+    """The fit of :func:`kernels.paged.paged_append_decode`'s inputs: the append's and the attention's."""
+    return decode_step_fits(k_pages, block_table, seq_lens) and cpu_kernel_fits(q, k_pages, v_pages)
+
+
+def decode_attention_fits(k_pages, v_pages, block_table, seq_lens, heads: tuple[int, int], scale, spare, spare_left,
+                          open_state=None, open_tokens=None) -> bool:
+    """The fit of :func:`kernels.paged.decode_attention`'s inputs: :func:`decode_step_fits`, at most
+    :data:`MAX_GROUPS` query heads per KV head."""
+    return heads[0] // heads[1] <= MAX_GROUPS and decode_step_fits(k_pages, block_table, seq_lens, open_state)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -181,6 +218,13 @@ def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, o
     lens = torch.empty(rows.shape[0], dtype=torch.int32)
     _check_pages_taken(library().dmc_update_f32(*args, lens.data_ptr()), spare_left, block_table.shape[1])
     return lens
+
+
+def dmc_decode_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state, open_tokens, q,
+                   scale: float, spare=None, spare_left=None) -> torch.Tensor:
+    """:func:`kernels.paged.dmc_decode` by the compiled kernel (inputs as there; :func:`dmc_decode_fits`)."""
+    return decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, scale, spare, spare_left, alpha,
+                           omega, open_state, open_tokens)
 
 
 def decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, scale: float, spare=None,

@@ -1,5 +1,5 @@
-"""Triton kernels of the paged ops (chosen for CUDA tensors by :mod:`kernels.backend`; on CPU tensors
-they run under ``TRITON_INTERPRET=1``, which is how they are tested here). Layouts as in
+"""Triton kernels of the paged ops (the ``triton`` backend's, :mod:`kernels.backend`: chosen for CUDA tensors; on
+CPU tensors they run under ``TRITON_INTERPRET=1``, which is how they are tested here). Layouts as in
 ``kernels/paged/__init__.py``; all math in fp32 (loads are cast before ``tl.dot``).
 
 - ``paged_attention_triton``: split-K decode attention. Program ``(r, s)`` takes row r's G query heads
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._checks import pack_outputs
+from .writes import take_spare_pages_torch
 
 
 @triton.jit
@@ -183,7 +184,11 @@ def _dmc_update_kernel(KP, VP, BT, SEQ_LENS, LENS, ROWS, ALPHA, OMEGA, K, V, OS,
 
 
 def dmc_cache_update_triton(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                            open_tokens) -> torch.Tensor:
+                            open_tokens, spare=None, spare_left=None) -> torch.Tensor:
+    """:func:`kernels.paged.dmc_cache_update` on validated inputs: the pages the appends start taken in tensor ops
+    (:func:`~.writes.take_spare_pages_torch`), then one program per row."""
+    if spare is not None:
+        take_spare_pages_torch(block_table, seq_lens, rows, alpha, k_pages.shape[1], spare, spare_left)
     n = rows.shape[0]
     lens = torch.empty(n, dtype=seq_lens.dtype, device=seq_lens.device)
     if n == 0:

@@ -81,10 +81,13 @@ def take_spare_pages_torch(block_table, seq_lens, rows, alpha, page_size: int, s
 
 
 def dmc_cache_update_torch(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
-                           open_tokens) -> torch.Tensor:
-    """:func:`kernels.paged.dmc_cache_update` in tensor ops (inputs and output as there): the appending rows'
-    lengths counted, the rows' state gathered, stepped (:func:`_open_slot_step`) and written back, the normalised
-    state written into entry ``len - 1``; returns ``lens [N]``."""
+                           open_tokens, spare=None, spare_left=None) -> torch.Tensor:
+    """:func:`kernels.paged.dmc_cache_update` in tensor ops (inputs and output as there): the pages the appends start
+    taken (:func:`take_spare_pages_torch`), the appending rows' lengths counted, the rows' state gathered, stepped
+    (:func:`_open_slot_step`) and written back, the normalised state written into entry ``len - 1``; returns
+    ``lens [N]``."""
+    if spare is not None:
+        take_spare_pages_torch(block_table, seq_lens, rows, alpha, k_pages.shape[1], spare, spare_left)
     n, d = rows.shape[0], k.shape[-1]
     append = (alpha == 0).reshape(n)
     seq_lens.index_add_(0, rows, append.to(seq_lens.dtype))

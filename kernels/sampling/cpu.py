@@ -21,6 +21,12 @@ def library() -> Optional[ctypes.CDLL]:
     return compiled.load(SOURCE, "the CPU kernel of greedy sampling", {"argmax_f32": [ptr, i64, i64, i64, ptr]})
 
 
+def argmax_fits(logits: torch.Tensor) -> bool:
+    """True when the compiled kernel takes ``logits [B, V]``: CPU, fp32, rows with a unit stride, ``V > 0``."""
+    return (logits.is_cpu and logits.dtype == torch.float32 and logits.stride(-1) == 1 and logits.shape[1] > 0
+            and library() is not None)
+
+
 def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
     """:func:`kernels.sampling.argmax` by the compiled kernel (fp32, rows with a unit stride along the vocabulary)."""
     out = torch.empty(logits.shape[0], dtype=torch.int64)

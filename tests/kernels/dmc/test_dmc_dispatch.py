@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import backend
-from kernels.dmc import _accumulation_impl, dmc_attention, partial_accumulation
+from kernels.dmc import OPS, dmc_attention, partial_accumulation
 from tests.helpers import TRITON_RUNS
 
 pytest.importorskip("triton")
@@ -35,9 +35,11 @@ def test_forced_triton_backend_gives_the_pytorch_results(device):
 
 
 def test_backend_switch_validates(device):
-    with pytest.raises(ValueError, match="backend must be one of auto, torch, triton"):
+    with pytest.raises(ValueError, match="backend must be one of auto, torch, triton, flash, cpu_compiled"):
         backend.set_backend("cuda")
-    # auto: Triton for CUDA tensors (the accumulation's kernels there), the PyTorch paths for CPU tensors
+    # auto: Triton for CUDA tensors (the accumulation's kernels there), the PyTorch scan for CPU tensors
     on_cuda = device.type == "cuda"
-    assert backend.use_triton(device) == on_cuda
-    assert (_accumulation_impl(device).__name__ == "partial_accumulation_triton") == on_cuda
+    k = torch.zeros(1, 1, 2, 4, device=device)
+    alpha = torch.zeros(1, 1, 2, device=device)
+    picked = OPS["partial_accumulation"].pick(k, k, alpha, alpha, "exact", 12, 32)
+    assert (picked.backend == "triton") == on_cuda
