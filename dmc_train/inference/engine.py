@@ -47,6 +47,7 @@ from dmc_train.inference.model import LlamaForInference
 from dmc_train.inference.pool import PagePool
 from dmc_train.inference.sampling import SamplingParams, StopChecker, make_generator, sample
 from dmc_train.inference.tensor_parallel import TP_CACHES
+from kernels.backend import choose
 
 
 @dataclass
@@ -135,6 +136,9 @@ class Engine:
             a batched prefill; a longer prompt goes alone); None: no limit.
         cache_options: the cache's options, e.g. ``budget=128`` (entries; ``Budget.entries`` resolves a fraction),
             ``schedule="decode"``, ``recent_fraction=0.5`` (``docs/INFERENCE.md``).
+
+    The model's device is the engine's (:attr:`device`): its pool and every cache's state live there; ``kernels``
+    is the backend the ops run there (:func:`kernels.backend.choose`, once: ``DMC_KERNELS`` may force one).
     """
 
     def __init__(self, model: LlamaForInference, tokenizer: Any = None, cache: str = "auto", page_size: int = 16,
@@ -153,6 +157,10 @@ class Engine:
         if tokenizer is not None and tokenizer.vocab_size > s.vocab_size:
             raise InferenceError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {s.vocab_size}; "
                                  f"use the tokenizer the model was trained with")
+        try:  # the kernels' backend on the model's device, once (kernels.backend: DMC_KERNELS may force one)
+            self.kernels = choose(model.device)
+        except RuntimeError as e:
+            raise InferenceError(str(e)) from None
         rows_per_seq = s.num_layers * s.num_kv_heads  # one pool row per (layer, KV head) of a sequence
         self.pool = PagePool.for_budget(kv_bytes, page_size, s.head_dim, max_batch * rows_per_seq, s.max_positions,
                                         rows_per_seq, dtype=model.dtype, device=model.device)
