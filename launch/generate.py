@@ -135,9 +135,8 @@ def report(engine, outputs, summary) -> None:
               f"({st['decode_tokens'] / st['decode_s']:.0f} tokens/s, up to {st['max_running']} sequences at once)")
     if st["preemptions"]:
         print(f"preempted {st['preemptions']} times for pages; {st['recomputed_tokens']} generated tokens recomputed")
-    print(f"KV cache ({engine.cache_name}, on {engine.device}, kernels {engine.kernels.name}): peak "
-          f"{mem['peak'] / 2**20:.2f} MiB of a {mem['total'] / 2**20:.2f} MiB pool ({mem['pages']} pages x "
-          f"{mem['page_bytes']} bytes)")
+    print(f"KV cache ({engine.cache_name}): peak {mem['peak'] / 2**20:.2f} MiB of a {mem['total'] / 2**20:.2f} MiB "
+          f"pool ({mem['pages']} pages x {mem['page_bytes']} bytes) on {engine.device}, kernels {engine.kernels.name}")
     if summary.get("kv_bytes_at_end"):
         print(f"KV bytes held at the end (pages + state): {summary['kv_bytes_at_end'] / 2**20:.3f} MiB")
     if "compression" in summary:

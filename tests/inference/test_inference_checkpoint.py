@@ -162,7 +162,7 @@ def test_evaluate_command_with_an_eviction_policy(runs):
     small = json.loads((runs / "gqa" / "eval_knorm_8.json").read_text())
     assert "cache knorm, budget 8 (decode)" in proc.stdout
     assert small["valid_tokens"] == 4 * 64 and small["valid_ppl"] != pytest.approx(model["valid_ppl"], rel=1e-5)
-    assert "| gqa | knorm | 8 |" in proc.stdout  # the harness's table row
+    assert "| gqa | knorm | 8 (0.125) |" in proc.stdout  # the harness's table row: entries (fraction of the context)
     for args, message in ((["eval.cache=h2x"], "unknown cache 'h2x'; expected auto or one of full, dmc, h2o"),
                           (["eval.cache=lsh_e", "eval.budget=5"], "smaller than lsh_e's fixed part"),
                           (["eval.cache=h2o", f"run_dir={runs / 'dmc'}", "model.num_query_groups=null", "method=dmc"],
