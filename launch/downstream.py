@@ -27,7 +27,8 @@ def parse_args(argv=None):
     src.add_argument("--build-tasks", action="store_true", help="write the shipped tasks' directory and stop")
     p.add_argument("--tasks", default="shakespeare", help="comma-separated tasks or tags (default: shakespeare, "
                                                           "every shipped task)")
-    p.add_argument("--cache", default="auto", help=f"auto, full, dmc, less, lightcache or an eviction policy: {', '.join(POLICIES)}")
+    p.add_argument("--cache", default="auto",
+                   help=f"auto, full, dmc, less, lightcache or an eviction policy: {', '.join(POLICIES)}")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a cache option, e.g. budget=0.25, schedule=prefill, local=128 (repeatable)")
     p.add_argument("--route", default="parallel", choices=("parallel", "engine"),

@@ -35,8 +35,8 @@ from kernels import less
 class KernelShape:
     """Sizes of one layer's kernels. ``heads`` / ``kv_heads``: this rank's (tensor-parallel partition);
     ``head_offset`` / ``kv_head_offset``: the global index of its first; ``total_heads`` / ``total_kv_heads``:
-    the layer's. ``settings``: the kernels' width, rank, dropout and initial scale. ``seed``: the initial weights of every head are drawn from it alone, so every parallel
-    layout starts from the same kernels."""
+    the layer's. ``settings``: the kernels' width, rank, dropout and initial scale. ``seed``: the initial weights
+    of every head are drawn from it alone, so every parallel layout starts from the same kernels."""
 
     heads: int
     kv_heads: int
