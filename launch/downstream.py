@@ -18,6 +18,8 @@ import sys
 
 
 def parse_args(argv=None):
+    from dmc_train.policies import POLICIES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint or run directory of this project")
@@ -25,7 +27,8 @@ def parse_args(argv=None):
     src.add_argument("--build-tasks", action="store_true", help="write the shipped tasks' directory and stop")
     p.add_argument("--tasks", default="shakespeare", help="comma-separated tasks or tags (default: shakespeare, "
                                                           "every shipped task)")
-    p.add_argument("--cache", default="auto", help="auto, full, dmc, less, lightcache or an eviction policy")
+    p.add_argument("--cache", default="auto",
+                   help=f"auto, full, dmc, less, lightcache or an eviction policy: {', '.join(POLICIES)}")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a cache option, e.g. budget=0.25, schedule=prefill, local=128 (repeatable)")
     p.add_argument("--route", default="parallel", choices=("parallel", "engine"),

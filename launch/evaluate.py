@@ -9,7 +9,7 @@ inference engine, the evaluation harness (perplexity, accuracy, KV bytes held, d
     python launch/evaluate.py --compare runs/base_tiny/eval_full.json runs/base_tiny/eval_h2o_64.json
 
 Writes <run_dir>/eval.json; with ``eval.cache`` (``auto`` = the checkpoint's own cache, ``full``, ``dmc``,
-an eviction policy ``h2o``/``tova``/``streaming_llm``/``keyformer``/``lsh_e``/``knorm`` at ``eval.budget``,
+an eviction policy (a name of ``dmc_train.policies.POLICIES``) at ``eval.budget``,
 ``lightcache``, ``less``) <run_dir>/eval_<cache>[_<budget>].json and a markdown row (docs/EVALUATION.md).
 ``--compare`` prints the rows of several result files side by side (Δ against the first).
 

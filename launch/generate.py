@@ -26,6 +26,8 @@ import sys
 
 
 def parse_args(argv=None):
+    from dmc_train.policies import POLICIES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint, run directory or checkpoints root")
     src = p.add_mutually_exclusive_group(required=True)
@@ -40,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--cache", default="auto",
-                   help="auto | full | dmc | an eviction policy: h2o, tova, streaming_llm, keyformer, lsh_e, knorm")
+                   help=f"auto | full | dmc | an eviction policy: {', '.join(POLICIES)}")
     p.add_argument("--budget", type=_number, help="policy budget per (sequence, layer, KV head): entries (e.g. 128) "
                    "or a fraction in (0, 1] of the context: the longest prompt + --max-new-tokens (e.g. 0.25)")
     p.add_argument("--schedule", choices=("decode", "prefill"), help="policy schedule (default decode)")

@@ -30,9 +30,10 @@ def study_app(cfg) -> None:
         print(f"[{time.perf_counter() - t0:6.0f}s] {line}", flush=True)
 
     def run():
-        if cfg.preset not in study.PRESETS:
-            raise study.ConfigError(f"unknown preset {cfg.preset!r}; the presets are {', '.join(study.PRESETS)}")
-        preset = study.PRESETS[cfg.preset]
+        presets = study.presets()
+        if cfg.preset not in presets:
+            raise study.ConfigError(f"unknown preset {cfg.preset!r}; the presets are {', '.join(presets)}")
+        preset = presets[cfg.preset]
         if cfg.base:  # another base model: its recipe overrides
             preset = dataclasses.replace(preset, base=tuple(cfg.base))
         if cfg.max_sequences:

@@ -109,3 +109,12 @@ def test_invalid_values_name_the_field(override, message):
     cfg = load_config(["+recipe=tiny_pretrain", *override])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate(cfg, world_size=1)
+
+
+def test_less_settings_come_from_the_method_config_with_their_one_set_of_defaults():
+    from dmc_train.methods.configs import less_settings
+    from dmc_train.models.less_settings import LESSSettings
+
+    assert less_settings(load_config(["+recipe=less_tiny"]).method) == LESSSettings()
+    cfg = load_config(["+recipe=less_tiny", "method.rank=4", "method.dropout=0.1"])
+    assert less_settings(cfg.method) == LESSSettings(rank=4, dropout=0.1)

@@ -10,7 +10,8 @@ write ``<out>/cells/<name>.json``. A cell whose file exists is skipped, so a stu
 cells may run as separate jobs (``launch/study.py``: one after another locally, or one Slurm job per cell
 through the Hydra submitit launcher). The report (``study_report.py``) reads the cell files.
 
-Presets (:data:`PRESETS`) name the base (a recipe and its run), the retrofits' shared settings and the cells.
+Presets (:func:`presets`) name the base (a recipe and its run), the retrofits' shared settings and the cells; a
+preset's training-free policy cells are every policy of :data:`dmc_train.policies.POLICIES` unless it names some.
 """
 
 from __future__ import annotations
@@ -79,12 +80,11 @@ class Preset:
 LM_EVAL_TASKS = ("shakespeare_next_line", "shakespeare_speaker")  # multiple choice: accuracy
 
 
-LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM", "keyformer": "Keyformer", "lsh_e": "LSH-E",
-          "knorm": "Knorm"}
+def _policies(fractions, names: Optional[tuple] = None) -> list[Cell]:
+    """Each policy of ``names`` (default: every registered policy) at each fraction, labelled as it labels itself."""
+    from dmc_train.policies import POLICIES
 
-
-def _policies(fractions, names=tuple(LABELS)) -> list[Cell]:
-    return [Cell(f"{p}_{_tag(f)}", LABELS[p], f, p) for f in fractions for p in names]
+    return [Cell(f"{p}_{_tag(f)}", POLICIES[p].label, f, p) for f in fractions for p in (names or POLICIES)]
 
 
 def _lightcache(fractions) -> list[Cell]:
@@ -131,10 +131,12 @@ def _less(fractions, policies=("h2o", "streaming_llm"), extra: int = 4) -> list[
     """LESS on each policy at ``fraction`` of the bytes: the policy's budget lowered by ``extra`` entries (the
     bytes of LESS's rank-8 state per head, head size 32: ``(8 * 32 + 8) / 64`` entries, about 4), beside the
     policy alone at that lower budget (Baseline); the policy at the full fraction is Baseline+ (its own row)."""
+    from dmc_train.policies import POLICIES
+
     cells = []
     for f in fractions:
         for p in policies:
-            label = "Λ-masking" if p == "streaming_llm" else LABELS[p]
+            label = "Λ-masking" if p == "streaming_llm" else POLICIES[p].label  # the LESS paper's name for it
             cells += [Cell(f"less_{p}_{_tag(f)}", f"LESS ({label})", f, "less", train=(*_LESS, f"method.policy={p}"),
                            budget_offset=extra),
                       Cell(f"baseline_{p}_{_tag(f)}", f"Baseline ({label})", f, p, budget_offset=extra)]
@@ -142,35 +144,39 @@ def _less(fractions, policies=("h2o", "streaming_llm"), extra: int = 4) -> list[
 
 
 _HALF_QUARTER = (0.5, 0.25)
-PRESETS: dict[str, Preset] = {
-    # Every method at 1/2 and 1/4 of the bytes, on the retrofit study's base.
-    "full": Preset(base=("+recipe=base_tiny_long",), lm_eval_limit=100,
-                   cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER),
-                          *_policies(_HALF_QUARTER), *_lightcache(_HALF_QUARTER), *_less(_HALF_QUARTER))),
-    # README command 1's table: base_tiny, two training-free policies at 1/4 and one short GQA 4x retrofit.
-    "quickstart": Preset(base=("+recipe=base_tiny",), max_sequences=32,
-                         cells=(Cell("vanilla", "vanilla", 1.0, "full"),
-                                *_policies((0.25,), ("h2o", "streaming_llm")),
-                                Cell("gqa4", "GQA", 0.25, gqa_groups=2,
-                                     train=(*_GQA, "train.max_steps=60", "train.eval_interval=60",
-                                            "checkpoint.save_interval=60")))),
-    # Why GQA beats DMC on base_tiny_long (docs/BENCHMARKS.md), controlled: (a) what DMC costs without merging:
-    # its zero-out stage and training at target CR 1 (the decision channel taken from q and k, nothing merged)
-    # against vanilla continued training with the same tokens and schedule;
-    "dmc_cost": Preset(base=("+recipe=base_tiny_long",),
-                       cells=(Cell("vanilla", "vanilla", 1.0, "full"),
-                              Cell("continued", "vanilla, continued", 1.0, "full",
-                                   train=("+recipe=base_tiny", *_WSD_960x4)),
-                              Cell("dmc1", "DMC at CR 1", 1.0, train=(*_DMC, "method.target_cr=1")))),
-    # (b) the DMC and GQA cells again on a base whose heads have 128 channels (2 heads at base_tiny's width,
-    # trained like base_tiny_long), as Llama's.
-    "head128": Preset(base=("+recipe=base_tiny_long", "run_name=base_tiny_long_h128"),
-                      model=("model.num_attention_heads=2",),
-                      cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER, heads=2))),
-    # Two methods at one budget, seconds per cell: the study's machinery end to end.
-    "quick": Preset(base=("+recipe=base_tiny",), max_sequences=8,
-                    cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_policies((0.25,), ("h2o", "streaming_llm")))),
-}
+
+
+def presets() -> dict[str, Preset]:
+    """The study's presets by name, their policy cells read from the registry as it is now."""
+    return {
+        # Every method at 1/2 and 1/4 of the bytes, on the retrofit study's base.
+        "full": Preset(base=("+recipe=base_tiny_long",), lm_eval_limit=100,
+                       cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER),
+                              *_policies(_HALF_QUARTER), *_lightcache(_HALF_QUARTER), *_less(_HALF_QUARTER))),
+        # README command 1's table: base_tiny, two training-free policies at 1/4 and one short GQA 4x retrofit.
+        "quickstart": Preset(base=("+recipe=base_tiny",), max_sequences=32,
+                             cells=(Cell("vanilla", "vanilla", 1.0, "full"),
+                                    *_policies((0.25,), ("h2o", "streaming_llm")),
+                                    Cell("gqa4", "GQA", 0.25, gqa_groups=2,
+                                         train=(*_GQA, "train.max_steps=60", "train.eval_interval=60",
+                                                "checkpoint.save_interval=60")))),
+        # Why GQA beats DMC on base_tiny_long (docs/BENCHMARKS.md), controlled: (a) what DMC costs without merging:
+        # its zero-out stage and training at target CR 1 (the decision channel taken from q and k, nothing merged)
+        # against vanilla continued training with the same tokens and schedule;
+        "dmc_cost": Preset(base=("+recipe=base_tiny_long",),
+                           cells=(Cell("vanilla", "vanilla", 1.0, "full"),
+                                  Cell("continued", "vanilla, continued", 1.0, "full",
+                                       train=("+recipe=base_tiny", *_WSD_960x4)),
+                                  Cell("dmc1", "DMC at CR 1", 1.0, train=(*_DMC, "method.target_cr=1")))),
+        # (b) the DMC and GQA cells again on a base whose heads have 128 channels (2 heads at base_tiny's width,
+        # trained like base_tiny_long), as Llama's.
+        "head128": Preset(base=("+recipe=base_tiny_long", "run_name=base_tiny_long_h128"),
+                          model=("model.num_attention_heads=2",),
+                          cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER, heads=2))),
+        # Two methods at one budget, seconds per cell: the study's machinery end to end.
+        "quick": Preset(base=("+recipe=base_tiny",), max_sequences=8,
+                        cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_policies((0.25,), ("h2o", "streaming_llm")))),
+    }
 
 
 # -- running cells ------------------------------------------------------------------------------------

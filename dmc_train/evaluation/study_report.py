@@ -9,7 +9,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from dmc_train.evaluation.report import budget_cell
-from dmc_train.evaluation.study import PRESETS, Preset, load_cells
+from dmc_train.evaluation.study import Preset, load_cells, presets
 
 Say = Callable[[str], None]
 
@@ -156,7 +156,7 @@ def controlled_sections(out: str, results: list[dict]) -> list[str]:
     (``runs/study_<preset>``, their default) and the ``full`` preset's ``results``."""
     got, pending = {}, {}
     for name in ("dmc_cost", "head128"):
-        cells = list(PRESETS[name].cells)
+        cells = list(presets()[name].cells)
         got[name] = load_cells(os.path.join(os.path.dirname(out), f"study_{name}"), cells)
         pending[name] = [c.name for c in cells if c.name not in {r["name"] for r in got[name]}]
     return dmc_vs_gqa(got["dmc_cost"], got["head128"], results, pending)

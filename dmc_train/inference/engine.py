@@ -124,8 +124,8 @@ class Engine:
         model: the :class:`LlamaForInference` to run.
         tokenizer: encodes string prompts and decodes outputs (None: prompts are token-id lists).
         cache: ``"auto"`` (the model's own: ``dmc`` for DMC / fixed-pooling models, else ``full``) or a name in
-            ``CACHES`` (``full``, ``dmc``, or an eviction policy: ``h2o``, ``tova``, ``streaming_llm``,
-            ``keyformer``, ``lsh_e``, ``knorm``).
+            ``CACHES`` (``full``, ``dmc``, ``less``, ``lightcache``, or any eviction policy of
+            :data:`~dmc_train.policies.POLICIES`).
         page_size: entries per page (power of two >= 16).
         kv_bytes: the K/V page budget, in bytes or a size such as ``"64MB"`` (default: room for ``max_batch``
             sequences of the model's maximum length uncompressed, within a share of the device's free memory:

@@ -8,11 +8,12 @@ before any model is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dmc_train.errors import ConfigError
 from dmc_train.models.dmc_settings import DMCSettings
+from dmc_train.models.less_settings import LESSSettings
 
 
 @dataclass
@@ -119,10 +120,11 @@ class LESSConfig:
     policy: str = "h2o"  # an eviction policy of dmc_train/policies (h2o, streaming_llm, tova, ...)
     budget: float = 0.05
     policy_options: dict[str, Any] = field(default_factory=dict)  # the policy's own, e.g. recent_fraction
-    hidden: int = 512  # the kernels' hidden width R'
-    rank: int = 8  # the state's rank R
-    dropout: float = 0.3  # after the kernels' first layer, in training
-    init_scale: float = 1e-4  # D1 and D2 start here: the state starts near zero
+    # the kernels' settings, defaults from LESSSettings (models/less_settings.py), read by less_settings()
+    hidden: int = LESSSettings.hidden
+    rank: int = LESSSettings.rank
+    dropout: float = LESSSettings.dropout
+    init_scale: float = LESSSettings.init_scale
 
     @staticmethod
     def check(cfg: Any) -> None:
@@ -143,6 +145,12 @@ class LESSConfig:
         if cfg.train.recompute != "none":
             raise ConfigError(f"train.recompute={cfg.train.recompute!r} is not supported with LESS (the base model is "
                               f"frozen: nothing to recompute); set train.recompute=none")
+
+
+def less_settings(method: Any) -> LESSSettings:
+    """The one :class:`LESSSettings` of a LESS ``method`` config (OmegaConf node or dict), for the training
+    attention's layers and kernels."""
+    return LESSSettings(**{f.name: method[f.name] for f in fields(LESSSettings)})
 
 
 def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSettings:

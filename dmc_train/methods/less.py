@@ -27,6 +27,7 @@ from megatron.core import parallel_state as ps
 from dmc_train.config import kv_groups
 from dmc_train.errors import ConfigError
 from dmc_train.methods.base import Method
+from dmc_train.methods.configs import less_settings
 from dmc_train.models.layer_loss import attach_layer_losses
 from dmc_train.models.less import LESSSelfAttention, LESSState, less_self_attention_spec
 from dmc_train.policies import build_scorer
@@ -64,8 +65,8 @@ class LESSMethod(Method):
             raise ConfigError(f"method.budget={m.budget} keeps {budget} entries, not fewer than train.seq_length="
                               f"{cfg.train.seq_length}: nothing is evicted, LESS has nothing to learn")
         self.budget = budget
-        self.state = LESSState(functools.partial(_evictions, scorer, budget), budget, m.hidden, m.rank, m.dropout,
-                               m.init_scale, cfg.model.num_layers, cfg.train.seed)
+        self.state = LESSState(functools.partial(_evictions, scorer, budget), budget, less_settings(m),
+                               cfg.model.num_layers, cfg.train.seed)
         self.last_mse: list[float] = []
 
     def attention(self):

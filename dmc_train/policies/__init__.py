@@ -1,12 +1,8 @@
 """Eviction and selection policies: one scorer per file, one registry (docs/METHODS.md, "Eviction and
 selection policies"; how to add one: docs/DESIGN.md, "Adding a cache policy").
 
-    h2o            recent window + heavy hitters by accumulated attention (h2o.py)
-    tova           the entry the current query attends to least goes (tova.py)
-    streaming_llm  attention sinks + the most recent tokens (streaming_llm.py)
-    keyformer      recent window + key tokens by accumulated Gumbel-softmax scores (keyformer.py)
-    lsh_e          the key farthest in SimHash Hamming distance from the current query goes (lsh_e.py)
-    knorm          the key with the largest L2 norm goes (knorm.py)
+:data:`POLICIES` maps each scorer's ``name`` to its class; every list of policies in the project (the
+commands' help, the engine's caches, the study's cells and their labels) is read from it.
 
 A scorer runs in two forms that keep the same entries: the engine's fixed-budget cache
 (``dmc_train/inference/caches/evicting.py``) and the parallel form for whole sequences

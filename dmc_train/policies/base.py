@@ -160,7 +160,8 @@ class Step:
 
 
 class Scorer:
-    """One policy's scoring idea. Subclasses set ``name``, ``Config`` and override what they use.
+    """One policy's scoring idea. Subclasses set ``name`` (the registry's key: ``--cache``, ``eval.cache``),
+    ``label`` (how tables and plots name it, e.g. ``H2O``), ``Config`` and override what they use.
 
     ``attention``: what the decode attention must return per kept entry for :meth:`update` (None,
     ``"probs"``: probabilities summed over the G query heads of the row, ``"logits"``: pre-softmax
@@ -172,6 +173,7 @@ class Scorer:
     """
 
     name: ClassVar[str] = "base"
+    label: ClassVar[str] = "base"
     Config: ClassVar[type] = PolicyConfig
     attention: ClassVar[Optional[str]] = None
     query_priority: ClassVar[bool] = False

@@ -13,6 +13,7 @@ from kernels.paged import attention_column_sums
 
 class H2O(Scorer):
     name = "h2o"
+    label = "H2O"
     Config = RecentWindowConfig  # recent_fraction 0.5: the rest of the budget for heavy hitters
     attention = "probs"
 

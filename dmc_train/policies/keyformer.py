@@ -66,6 +66,7 @@ class KeyformerConfig(RecentWindowConfig):
 
 class Keyformer(Scorer):
     name = "keyformer"
+    label = "Keyformer"
     Config = KeyformerConfig
     attention = "logits"
 

@@ -13,6 +13,7 @@ from dmc_train.policies.base import PolicyConfig, Scorer
 
 class Knorm(Scorer):
     name = "knorm"
+    label = "Knorm"
     Config = PolicyConfig
     key_scores = True  # new entries are scored by their key's norm
 

@@ -45,6 +45,7 @@ class LSHEConfig(PolicyConfig):
 
 class LSHE(Scorer):
     name = "lsh_e"
+    label = "LSH-E"
     Config = LSHEConfig
     query_priority = True
 

@@ -21,6 +21,7 @@ class StreamingLLMConfig(PolicyConfig):
 
 class StreamingLLM(Scorer):
     name = "streaming_llm"
+    label = "StreamingLLM"
     Config = StreamingLLMConfig
 
     def fixed(self, budget):

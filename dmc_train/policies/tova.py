@@ -24,6 +24,7 @@ class TOVAConfig(PolicyConfig):
 
 class TOVA(Scorer):
     name = "tova"
+    label = "TOVA"
     Config = TOVAConfig
     attention = "probs"
 

@@ -3,8 +3,8 @@ the one registry that picks them by name (:data:`CACHES`, :func:`build_cache`).
 
     full       every token (vanilla; also GQA models, whose rows are their fewer KV heads)
     dmc        Dynamic Memory Compression, Algorithm 1 (DMC and Fixed Memory Pooling checkpoints)
-    <policy>   a fixed budget kept by an eviction policy of ``dmc_train/policies`` (h2o, tova,
-               streaming_llm, keyformer, lsh_e, knorm): one evicting cache (``evicting.py``) for all
+    <policy>   a fixed budget kept by an eviction policy (every name of ``dmc_train.policies.POLICIES``):
+               one evicting cache (``evicting.py``) for all
     less       LESS checkpoints: their policy plus the low-rank state of the evicted pairs (``less.py``)
     lightcache every token kept, older ones compressed in the feature dimension, a selected window
                attended at its own positions (``lightcache.py``; vanilla and GQA checkpoints)

@@ -30,12 +30,13 @@ from megatron.core.transformer.attention import SelfAttention
 from dmc_train import distributed
 from dmc_train.models.attention import SDPACoreAttention
 from dmc_train.models.less.kernels import KernelShape, LESSKernels
+from dmc_train.models.less_settings import LESSSettings
 from kernels.less import eviction_masks, less_attention
 
 
 @dataclass
 class LESSState:
-    """What every LESS layer of a rank shares with the method: the policy at its budget, the kernels' sizes,
+    """What every LESS layer of a rank shares with the method: the policy at its budget, the kernels' settings,
     and the per-layer loss sums of the passes since the method last read them.
 
     ``evictions(q, k, v, layer) -> evicted_at [b, H_kv, n]``: the policy's parallel form (the method
@@ -43,10 +44,7 @@ class LESSState:
 
     evictions: Callable[..., torch.Tensor]
     budget: int
-    hidden: int = 512
-    rank: int = 8
-    dropout: float = 0.3
-    init_scale: float = 1e-4
+    settings: LESSSettings = LESSSettings()
     num_layers: int = 1
     seed: int = 0  # the kernels of layer l start from seed + l, whatever the parallel layout
     sums: Optional[torch.Tensor] = None  # [num_layers, 2] float64: (MSE sum over micro-batches, micro-batches)
@@ -75,10 +73,10 @@ class LESSSelfAttention(SelfAttention):
         self.less_state = less_state
         tp = parallel_state.get_tensor_model_parallel_rank()
         heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
-        self.less = LESSKernels(KernelShape(heads, groups, self.hidden_size_per_attention_head, s.hidden, s.rank,
-                                            s.dropout, s.init_scale, tp * heads, tp * groups,
-                                            self.config.num_attention_heads, self.config.num_query_groups or
-                                            self.config.num_attention_heads, s.seed + self.layer_number))
+        self.less = LESSKernels(KernelShape(heads, groups, self.hidden_size_per_attention_head, s.settings,
+                                            tp * heads, tp * groups, self.config.num_attention_heads,
+                                            self.config.num_query_groups or self.config.num_attention_heads,
+                                            s.seed + self.layer_number))
         self.core_attention.bind(self)
         self.pending_loss: Optional[torch.Tensor] = None
 
