@@ -71,8 +71,8 @@ def evaluate_tasks(checkpoint: Optional[str] = None, cache: str = "auto", option
         args = {"pretrained": hf_dir, "trust_remote_code": True, "dtype": "float32", "device": device,
                 "batch_size": batch_size, **_eos_prefix(hf_dir), **(model_args or {})}
         return lm_eval.simple_evaluate(model=HFLM(**args), **common)
-    lm = DMCTrainLM(checkpoint, cache=cache, route=route, batch_size=batch_size, device=device, **(model_args or {}),
-                    **(options or {}))
+    model_args = {"device": device, **(model_args or {})}  # --model-arg device=... wins over --device
+    lm = DMCTrainLM(checkpoint, cache=cache, route=route, batch_size=batch_size, **model_args, **(options or {}))
     return lm_eval.simple_evaluate(model=lm, **common)
 
 
