@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Checking a GPU machine (docs/CLUSTER.md): from a fresh clone, one GPU, under 8 minutes.
+# Checking a GPU machine (docs/CLUSTER.md): from a fresh clone, one GPU; each stage prints its time (--skip leaves
+# stages out when the device time is short).
 #
 #   bash benchmarks/gpu_check.sh [--wheels DIR] [--out DIR] [--skip tests,runs,bench]
 #
