@@ -96,10 +96,10 @@ class PagePool:
         device = torch.device(device)
         page_bytes = cls.bytes_per_page(page_size, head_dim, dtype, value_dim)
         if kv_bytes is None:
-            share = DEFAULT_MEMORY_SHARE[device.type]
-            num_pages = min(max_rows * -(-max_entries // page_size), int(share * free_memory(device)) // page_bytes)
+            share, free = DEFAULT_MEMORY_SHARE[device.type], free_memory(device)
+            num_pages = min(max_rows * -(-max_entries // page_size), int(share * free) // page_bytes)
             if num_pages < rows_per_seq:
-                raise InferenceError(f"{share:.0%} of the {free_memory(device) / 2**30:.2f} GiB free on {device} holds "
+                raise InferenceError(f"{share:.0%} of the {free / 2**30:.2f} GiB free on {device} holds "
                                      f"fewer than one KV page per KV head per layer ({rows_per_seq}); free memory or "
                                      f"pass kv_bytes")
         else:
