@@ -80,7 +80,8 @@ def test_a_less_run_generates_with_its_cache(runs, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["method.policy=nope"], "unknown policy 'nope'; the policies are h2o"),
-    (["method.policy=lsh_e", "method.budget=8", "checkpoint.init_from={base}"], "smaller than lsh_e's fixed part"),
+    (["method.policy=lsh_e", "method.budget=8", "checkpoint.init_from={base}"],
+     "leaves lsh_e no room beside its fixed part"),
     (["checkpoint.init_from=/nonexistent/base"], "/nonexistent/base"),
     (["model.num_layers=2", "checkpoint.init_from={base}"], "num_layers"),
 ])

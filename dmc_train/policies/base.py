@@ -31,11 +31,13 @@ from types import UnionType
 from typing import Any, ClassVar, Optional
 
 import torch
+import torch.nn.functional as F
 
 from dmc_train.errors import ConfigError
 from dmc_train.policies.budget import DEFAULT as DEFAULT_BUDGET
 from dmc_train.policies.budget import Budget
 from kernels import eviction
+from kernels.paged import attention_column_sums
 
 SCHEDULES = ("decode", "prefill")
 AGGREGATES = ("kv_head", "layer")
@@ -163,13 +165,14 @@ class Scorer:
     """One policy's scoring idea. Subclasses set ``name`` (the registry's key: ``--cache``, ``eval.cache``),
     ``label`` (how tables and plots name it, e.g. ``H2O``), ``Config`` and override what they use.
 
+    The hooks are the scoring ones: :meth:`fixed`, :meth:`prompt_scores`, :meth:`new_scores`, :meth:`codes`,
+    :meth:`priority` and :meth:`update`; batching layers, writing state and choosing slots are the caches'.
+
     ``attention``: what the decode attention must return per kept entry for :meth:`update` (None,
     ``"probs"``: probabilities summed over the G query heads of the row, ``"logits"``: pre-softmax
     logits summed over them). ``code_bits``: bits of a per-entry hash code (0: none). ``query_priority``:
     :meth:`priority` reads the current query; when False it depends on the entries alone, so a caller may
     choose the victims of several layers at once, before their queries exist (the engine's decode step).
-    ``key_scores``: :meth:`new_scores` reads the keys; when False new entries score 0, so a caller may record
-    the new tokens of several layers at once (:func:`record_token`), before their keys exist.
     """
 
     name: ClassVar[str] = "base"
@@ -177,7 +180,6 @@ class Scorer:
     Config: ClassVar[type] = PolicyConfig
     attention: ClassVar[Optional[str]] = None
     query_priority: ClassVar[bool] = False
-    key_scores: ClassVar[bool] = False
     code_bits: int = 0
 
     def __init__(self, cfg: PolicyConfig, head_dim: int, group: int, scale: float):
@@ -187,31 +189,36 @@ class Scorer:
         """``(n_sink, n_recent)`` never evicted at this budget (default: none)."""
         return 0, 0
 
+    @property
+    def key_scores(self) -> bool:
+        """:meth:`new_scores` reads the keys (the scorer overrides it); when False new entries score 0, so a caller
+        may record the new tokens of several layers at once (:func:`record_token`), before their keys exist."""
+        return type(self).new_scores is not Scorer.new_scores
+
     def budget(self, context: Optional[int]) -> int:
         """The configured budget in entries for ``context`` tokens evaluated or generated (None: unknown, entries
-        only), checked against the fixed part."""
+        only), checked against the fixed part (:meth:`check_budget`)."""
         budget = Budget.of(self.cfg.budget).entries(context)
         self.check_budget(budget)
         return budget
 
     def check_budget(self, budget: int) -> None:
+        """One-line :class:`ConfigError` unless ``budget`` holds the fixed part and, beside the sinks, at least one
+        entry (the incoming token)."""
         sink, recent = self.fixed(budget)
-        if budget < max(1, sink + recent):
-            raise ConfigError(f"budget {budget} is smaller than {self.name}'s fixed part ({sink} sink + {recent} "
-                              f"recent entries); raise the budget")
+        if budget < max(sink + recent, sink + 1):
+            raise ConfigError(f"budget {budget} leaves {self.name} no room beside its fixed part ({sink} sink + "
+                              f"{recent} recent entries); raise the budget or shrink the fixed part")
 
     # -- scores -----------------------------------------------------------------------------------
     def prompt_scores(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> torch.Tensor:
         """Scores of a prompt's keys after its prefill: ``q [b, H, P, d]``, ``k [b, H_kv, P, d]`` (RoPE
-        applied) -> ``[b, H_kv, P]`` fp32. Default: zeros."""
+        applied) -> ``[b, H_kv, P]`` fp32. Default: with ``attention = "probs"``, the probability each key received
+        from the prompt's queries, summed over them (its column sum: :func:`prompt_attention` computes it in the
+        prompt's attention pass); otherwise zeros."""
+        if self.attention == "probs":
+            return attention_column_sums(q, k, self.scale)
         return k.new_zeros(k.shape[:3], dtype=torch.float32)
-
-    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         layer: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``(out [b, H, P, d_v], scores [b, H_kv, P])``: the prompt's causal attention and its :meth:`prompt_scores`
-        from one pass, for a scorer whose scores are that attention's column sums (H2O); None (default): the
-        caller attends and scores apart."""
-        return None
 
     def new_scores(self, k: torch.Tensor) -> torch.Tensor:
         """Score of freshly written entries ``k [N, d]`` -> ``[N]`` (before the query attends). Default: zeros; a
@@ -231,6 +238,17 @@ class Scorer:
         """After the current query attended: ``attention [N, L]`` as declared by ``attention`` (0 on empty
         slots). Updates ``entries.scores`` in place. Default: nothing. The entries and ``attention`` may have a
         leading dim, the layers of a decode step (``[layers, N, L]``, ``step.layer`` then ``[layers, 1, 1]``)."""
+
+
+def prompt_attention(scorer: Scorer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's causal attention ``[b, H, P, d_v]`` and its :meth:`Scorer.prompt_scores` ``[b, H_kv, P]``
+    (layouts there; ``v [b, H_kv, P, d_v]``): from one pass when the scores are the default column sums."""
+    if scorer.attention == "probs" and type(scorer).prompt_scores is Scorer.prompt_scores:
+        return attention_column_sums(q, k, scale, v=v)
+    g = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=g > 1)
+    return out, scorer.prompt_scores(q, k, layer)
 
 
 # -- the keep rule ------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ recent window and the heavy hitters by ``recent_fraction`` (0.5: equally, as in 
 from __future__ import annotations
 
 from dmc_train.policies.base import RecentWindowConfig, Scorer
-from kernels.paged import attention_column_sums
 
 
 class H2O(Scorer):
@@ -19,12 +18,6 @@ class H2O(Scorer):
 
     def fixed(self, budget):
         return 0, self.cfg.recent(budget)
-
-    def prompt_scores(self, q, k, layer):
-        return attention_column_sums(q, k, self.scale)
-
-    def prompt_attention(self, q, k, v, layer):
-        return attention_column_sums(q, k, self.scale, v=v)
 
     def update(self, entries, attention, step):
         entries.scores += attention

@@ -15,7 +15,6 @@ class Knorm(Scorer):
     name = "knorm"
     label = "Knorm"
     Config = PolicyConfig
-    key_scores = True  # new entries are scored by their key's norm
 
     def prompt_scores(self, q, k, layer):
         return self.new_scores(k)

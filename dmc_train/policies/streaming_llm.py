@@ -27,10 +27,5 @@ class StreamingLLM(Scorer):
     def fixed(self, budget):
         return self.cfg.n_sink, max(budget - self.cfg.n_sink, 0)
 
-    def check_budget(self, budget):
-        if budget <= self.cfg.n_sink:
-            raise ConfigError(f"budget {budget} must be larger than streaming_llm's {self.cfg.n_sink} sink entries; "
-                              f"raise the budget or lower n_sink")
-
     def priority(self, entries, q, step):
         return entries.positions.float()

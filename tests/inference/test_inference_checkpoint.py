@@ -164,7 +164,7 @@ def test_evaluate_command_with_an_eviction_policy(runs):
     assert small["valid_tokens"] == 4 * 64 and small["valid_ppl"] != pytest.approx(model["valid_ppl"], rel=1e-5)
     assert "| gqa | knorm | 8 (0.125) |" in proc.stdout  # the harness's table row: entries (fraction of the context)
     for args, message in ((["eval.cache=h2x"], "unknown cache 'h2x'; expected auto or one of full, dmc, h2o"),
-                          (["eval.cache=lsh_e", "eval.budget=5"], "smaller than lsh_e's fixed part"),
+                          (["eval.cache=lsh_e", "eval.budget=5"], "leaves lsh_e no room beside its fixed part"),
                           (["eval.cache=h2o", f"run_dir={runs / 'dmc'}", "model.num_query_groups=null", "method=dmc"],
                            "is a DMC model (evaluate it with eval.cache=model)")):
         proc = run([*gqa, *args], check=False)

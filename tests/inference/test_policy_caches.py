@@ -211,8 +211,8 @@ def test_pages_needed_read_from_one_row_per_sequence_count_every_row(schedule):
 
 
 @pytest.mark.parametrize("cache, options, message", [
-    ("lsh_e", {"budget": 12}, "smaller than lsh_e's fixed part (4 sink + 10 recent"),
-    ("streaming_llm", {"budget": 4}, "must be larger than streaming_llm's 4 sink entries"),
+    ("lsh_e", {"budget": 12}, "leaves lsh_e no room beside its fixed part (4 sink + 10 recent"),
+    ("streaming_llm", {"budget": 4}, "leaves streaming_llm no room beside its fixed part (4 sink"),
     ("h2o2", {}, "unknown cache 'h2o2'; expected auto or one of full, dmc, h2o, tova"),
     ("h2o", {"budget": 1.5}, "budget=1.5 must be a whole number of entries >= 1 or a fraction"),
     ("tova", {"budget": 0}, "budget=0 must be"),

@@ -34,9 +34,9 @@ from typing import Any, Optional
 import torch
 
 from dmc_train.inference.caches.base import HeadsFirst, KVCache, TokenInfo
-from dmc_train.inference.caches.full import causal_attention
 from dmc_train.inference.pool import PagePool
-from dmc_train.policies.base import Entries, Scorer, Step, insert, record_keys, record_token, victim_slots
+from dmc_train.policies.base import (Entries, Scorer, Step, insert, prompt_attention, record_keys, record_token,
+                                     victim_slots)
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
 from kernels.paged import DecodePlan, decode_attention
 
@@ -222,8 +222,7 @@ class EvictingCache(KVCache):
         """Prompts of ``b`` sequences of equal length ``p``, ``q [b, H, p, d]``, ``k [b, H_kv, p, d]``, ``v [b, H_kv,
         p, d_v]`` -> ``[b, H, p, d_v]``: causal attention, then each row's prompt compressed to the budget with the
         scores it produced and the kept entries written in position order (module docstring)."""
-        fused = self.scorer.prompt_attention(q, k, v, layer)
-        out, scores = fused or (causal_attention(q, k, v, self.scale), self.scorer.prompt_scores(q, k, layer))
+        out, scores = prompt_attention(self.scorer, q, k, v, layer, self.scale)
         rows = torch.stack([self.rows[s][layer] for s in seq_ids]).flatten()  # [N], N = b * H_kv
         b, h, p = k.shape[:3]
         n = b * h
