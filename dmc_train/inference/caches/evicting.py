@@ -35,8 +35,16 @@ import torch
 
 from dmc_train.inference.caches.base import HeadsFirst, KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
-from dmc_train.policies.base import (Entries, Scorer, Step, insert, prompt_attention, record_keys, record_token,
-                                     victim_slots)
+from dmc_train.policies.base import (
+    Entries,
+    Scorer,
+    Step,
+    insert,
+    prompt_attention,
+    record_keys,
+    record_token,
+    victim_slots,
+)
 from dmc_train.policies.parallel import compress_prompt, prompt_keep
 from kernels.paged import DecodePlan, decode_attention
 
