@@ -22,7 +22,8 @@ from dmc_train import cli
 
 
 def study_app(cfg) -> None:
-    from dmc_train.evaluation import study, study_report
+    from dmc_train.evaluation import study
+    from launch import study_report
 
     t0 = time.perf_counter()
 

@@ -8,7 +8,7 @@ For a :class:`~dmc_train.inference.model.LlamaForInference` and a cache of the e
   is a fraction of that length, :class:`~dmc_train.policies.budget.Budget`);
 - ``ppl``, ``loss``, ``accuracy`` (next-token, argmax): held-out sequences teacher-forced through the
   cache's parallel form (:func:`~dmc_train.inference.caches.teacher_forced`), the first ``prompt_len``
-  tokens of each prefilled, the rest decoded with the cache;
+  tokens of each prefilled, the rest decoded with the cache; the tokens after the prompt are scored;
 - ``incremental``: the first few of those sequences decoded for real, token by token, through the engine's
   cache (:func:`~dmc_train.evaluation.incremental.teacher_forced_decode`), beside the parallel form on the
   same sequences: the two perplexities agree (they are the same computation); ``incremental_sequences=0``
@@ -131,6 +131,7 @@ def evaluate_cache(model, dataset, cache: str, options: dict[str, Any], prompt_l
     """Every measure of the module docstring for ``model`` with ``cache`` (a registry name, after ``auto`` is
     resolved) and its ``options`` on ``dataset``'s first ``max_sequences`` sequences (0 = all)."""
     tokens, labels, mask = samples_of(dataset, max_sequences)
+    mask[:, : prompt_len - 1] = 0  # the tokens after the prompt are scored (the prompt's own come from full attention)
     n = tokens.shape[1]
     budget = cache_budget(cache, model, options, n)
     options = for_context(cache, model, options, n)  # a fraction of the budget: of the evaluated sequence

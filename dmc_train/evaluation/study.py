@@ -10,8 +10,9 @@ write ``<out>/cells/<name>.json``. A cell whose file exists is skipped, so a stu
 cells may run as separate jobs (``launch/study.py``: one after another locally, or one Slurm job per cell
 through the Hydra submitit launcher). The report (``study_report.py``) reads the cell files.
 
-Presets (:func:`presets`) name the base (a recipe and its run), the retrofits' shared settings and the cells; a
-preset's training-free policy cells are every policy of :data:`dmc_train.policies.POLICIES` unless it names some.
+Presets are data (``recipes/study_presets/<name>.yaml``, read by :func:`presets`): the base (a recipe and its run,
+or an imported checkpoint), the cells and how many test sequences they read; the retrofits' training regimes are
+``recipes/study_regimes.yaml``. A preset's ``policies: all`` is every policy of :data:`dmc_train.policies.POLICIES`.
 """
 
 from __future__ import annotations
@@ -68,115 +69,109 @@ class Preset:
     """``base``: the base run's recipe overrides (trained first when missing; ``run_dir`` from its
     ``run_name``); ``cells``; ``max_sequences``: test sequences per cell (of the base's ``seq_length``);
     ``model``: model overrides of the base that every retrofit repeats (its weights must fit them);
-    ``lm_eval_limit``: documents of each shipped lm-eval task (:data:`LM_EVAL_TASKS`) per cell (0: none)."""
+    ``lm_eval_limit``: documents of each shipped lm-eval task (:data:`LM_EVAL_TASKS`) per cell (0: none);
+    ``prompt_len``: each test sequence's first tokens are a prompt (prefilled, then compressed), the tokens after
+    it are scored (1: every token)."""
 
     base: tuple
     cells: tuple
     max_sequences: int = 64
     model: tuple = ()
     lm_eval_limit: int = 0
+    prompt_len: int = 1
 
 
 LM_EVAL_TASKS = ("shakespeare_next_line", "shakespeare_speaker")  # multiple choice: accuracy
-
-
-def _policies(fractions, names: Optional[tuple] = None) -> list[Cell]:
-    """Each policy of ``names`` (default: every registered policy) at each fraction, labelled as it labels itself."""
-    from dmc_train.policies import POLICIES
-
-    return [Cell(f"{p}_{_tag(f)}", POLICIES[p].label, f, p) for f in fractions for p in (names or POLICIES)]
-
-
-def _lightcache(fractions) -> list[Cell]:
-    """LightCache at settings whose bytes are about ``fraction`` of the full cache at 256 tokens: the window
-    (4 global + local, top-k segments) at full width, every other token at ``r_k + r_v`` of ``2 d`` channels."""
-    settings = {0.5: {"local": 64, "top_k": 4, "segment": 8, "r_k": 4, "r_v": 16},
-                0.25: {"local": 24, "top_k": 2, "segment": 8, "r_k": 2, "r_v": 6}}
-    return [Cell(f"lightcache_{_tag(f)}", "LightCache", f, "lightcache", settings[f]) for f in fractions]
-
-
-def _tag(fraction: float) -> str:
-    return {1.0: "1", 0.5: "1of2", 0.25: "1of4"}.get(fraction, f"{fraction:g}")
-
-
-# Retrofits from the base, in the controlled retrofit study's regimes (docs/BENCHMARKS.md): GQA in 240 steps
-# of 16 sequences under a cosine LR; DMC and Fixed Memory Pooling in 960 steps of 4 sequences under WSD (the
-# regime in which DMC reaches its target). Every retrofit sees 0.98M tokens; ``{base}`` is the base run.
-_GQA = ("+recipe=gqa_tiny", "train.max_steps=240", "train.global_batch_size=16", "train.eval_interval=120",
-        "checkpoint.save_interval=120", "optim.lr=5e-4", "optim.schedule=cosine", "optim.min_lr_ratio=0.1",
-        "optim.warmup_steps=0")
-_WSD_960x4 = ("checkpoint.init_from={base}", "train.max_steps=960", "train.global_batch_size=4",
-              "train.micro_batch_size=4", "optim.lr=5e-4", "optim.schedule=wsd", "optim.anneal_steps=240",
-              "optim.min_lr_ratio=0.1", "optim.warmup_steps=0", "train.eval_interval=240",
-              "checkpoint.save_interval=240")
-_DMC = ("+recipe=dmc_tiny", *_WSD_960x4, "method.zero_out_steps=80", "method.ramp_steps=560", "method.finetune_steps=0")
-# LESS on a policy at the cell's budget (entries), 200 steps of the less_tiny recipe's schedule from the base.
-_LESS = ("+recipe=less_tiny", "checkpoint.init_from={base}", "method.budget={budget}", "train.max_steps=200",
-         "train.eval_interval=100", "checkpoint.save_interval=100")
-
-
-def _retrofits(fractions, heads: int = 8) -> list[Cell]:
-    cells = []
-    for f in fractions:
-        x = round(1 / f)
-        gqa = [Cell(f"gqa{x}", "GQA", f, train=_GQA, gqa_groups=heads // x)] if heads >= x else []
-        cells += [*gqa,
-                  Cell(f"dmc{x}", "DMC", f, train=(*_DMC, f"method.target_cr={x}")),
-                  Cell(f"pool{x}", "Fixed Memory Pooling", f, train=(*_DMC, "method=fixed_pooling",
-                                                                    f"method.target_cr={x}"))]
-    return cells
-
-
-def _less(fractions, policies=("h2o", "streaming_llm"), extra: int = 4) -> list[Cell]:
-    """LESS on each policy at ``fraction`` of the bytes: the policy's budget lowered by ``extra`` entries (the
-    bytes of LESS's rank-8 state per head, head size 32: ``(8 * 32 + 8) / 64`` entries, about 4), beside the
-    policy alone at that lower budget (Baseline); the policy at the full fraction is Baseline+ (its own row)."""
-    from dmc_train.policies import POLICIES
-
-    cells = []
-    for f in fractions:
-        for p in policies:
-            label = "Λ-masking" if p == "streaming_llm" else POLICIES[p].label  # the LESS paper's name for it
-            cells += [Cell(f"less_{p}_{_tag(f)}", f"LESS ({label})", f, "less", train=(*_LESS, f"method.policy={p}"),
-                           budget_offset=extra),
-                      Cell(f"baseline_{p}_{_tag(f)}", f"Baseline ({label})", f, p, budget_offset=extra)]
-    return cells
-
-
-_HALF_QUARTER = (0.5, 0.25)
+PRESETS = "study_presets"  # the presets' directory in the recipe tree, one YAML file each
+REGIMES = "study_regimes.yaml"  # the retrofits' training regimes, named in the presets' cells
 
 
 def presets() -> dict[str, Preset]:
-    """The study's presets by name, their policy cells read from the registry as it is now."""
-    return {
-        # Every method at 1/2 and 1/4 of the bytes, on the retrofit study's base.
-        "full": Preset(base=("+recipe=base_tiny_long",), lm_eval_limit=100,
-                       cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER),
-                              *_policies(_HALF_QUARTER), *_lightcache(_HALF_QUARTER), *_less(_HALF_QUARTER))),
-        # README command 1's table: base_tiny, two training-free policies at 1/4 and one short GQA 4x retrofit.
-        "quickstart": Preset(base=("+recipe=base_tiny",), max_sequences=32,
-                             cells=(Cell("vanilla", "vanilla", 1.0, "full"),
-                                    *_policies((0.25,), ("h2o", "streaming_llm")),
-                                    Cell("gqa4", "GQA", 0.25, gqa_groups=2,
-                                         train=(*_GQA, "train.max_steps=60", "train.eval_interval=60",
-                                                "checkpoint.save_interval=60")))),
-        # Why GQA beats DMC on base_tiny_long (docs/BENCHMARKS.md), controlled: (a) what DMC costs without merging:
-        # its zero-out stage and training at target CR 1 (the decision channel taken from q and k, nothing merged)
-        # against vanilla continued training with the same tokens and schedule;
-        "dmc_cost": Preset(base=("+recipe=base_tiny_long",),
-                           cells=(Cell("vanilla", "vanilla", 1.0, "full"),
-                                  Cell("continued", "vanilla, continued", 1.0, "full",
-                                       train=("+recipe=base_tiny", *_WSD_960x4)),
-                                  Cell("dmc1", "DMC at CR 1", 1.0, train=(*_DMC, "method.target_cr=1")))),
-        # (b) the DMC and GQA cells again on a base whose heads have 128 channels (2 heads at base_tiny's width,
-        # trained like base_tiny_long), as Llama's.
-        "head128": Preset(base=("+recipe=base_tiny_long", "run_name=base_tiny_long_h128"),
-                          model=("model.num_attention_heads=2",),
-                          cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_retrofits(_HALF_QUARTER, heads=2))),
-        # Two methods at one budget, seconds per cell: the study's machinery end to end.
-        "quick": Preset(base=("+recipe=base_tiny",), max_sequences=8,
-                        cells=(Cell("vanilla", "vanilla", 1.0, "full"), *_policies((0.25,), ("h2o", "streaming_llm")))),
-    }
+    """The study's presets by name (``recipes/study_presets/<name>.yaml``), their policy cells read from the
+    registry as it is now."""
+    from dmc_train.recipes import recipes_dir
+
+    folder = os.path.join(recipes_dir(), PRESETS)
+    regimes = _yaml(os.path.join(recipes_dir(), REGIMES))
+    return {name[:-5]: preset_of(_yaml(os.path.join(folder, name)), regimes)
+            for name in sorted(os.listdir(folder)) if name.endswith(".yaml")}
+
+
+def _yaml(path: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def preset_of(spec: dict, regimes: dict[str, list]) -> Preset:
+    """A preset from its YAML: ``base``, ``model``, the numbers of :class:`Preset`, and ``cells``, each a
+    :class:`Cell`'s fields or a group of cells (:func:`_group`); a ``train`` item ``"@<regime>"`` stands for that
+    regime's overrides."""
+    cells = [cell for entry in spec["cells"] for cell in _group(entry)]
+    cells = tuple(Cell(**{**c, "train": _train(c.get("train", ()), regimes)}) for c in cells)
+    return Preset(base=tuple(spec["base"]), cells=cells, model=tuple(spec.get("model", ())),
+                  **{key: spec[key] for key in ("max_sequences", "lm_eval_limit", "prompt_len") if key in spec})
+
+
+def _train(items, regimes: dict[str, list]) -> tuple:
+    out = []
+    for item in items:
+        out += _train(regimes[item[1:]], regimes) if item.startswith("@") else [item]
+    return tuple(out)
+
+
+def _group(entry: dict) -> list[dict]:
+    """The cells of one entry of a preset's ``cells``: one cell's fields, or a group named by its key:
+    ``policies`` (names, or ``all``: every registered policy) at ``fractions`` under each of ``schedules``;
+    ``lightcache`` (fraction -> its options); ``retrofits`` (fractions: GQA, when ``heads`` divide, DMC and Fixed
+    Memory Pooling at 1/fraction); ``less`` (fractions: LESS on each of ``policies`` beside the policy alone, at
+    the bytes LESS's state leaves, ``extra`` entries fewer)."""
+    from dmc_train.policies import POLICIES
+
+    if "name" in entry:
+        return [entry]
+    if "policies" in entry and "less" not in entry:
+        names = list(POLICIES) if entry["policies"] == "all" else entry["policies"]
+        cells = []
+        for schedule in entry.get("schedules", ["decode"]):
+            prefill = schedule == "prefill"
+            options = {"schedule": "prefill"} if prefill else {}
+            cells += [dict(name=f"{p}_{tag(f)}" + ("_prefill" if prefill else ""),
+                           method=POLICIES[p].label + (" (prefill)" if prefill else ""), fraction=f, cache=p,
+                           options={**options, "compression_ratio": 1 - f} if prefill else options)
+                      for f in entry["fractions"] for p in names]
+        return cells
+    if "lightcache" in entry:
+        return [dict(name=f"lightcache_{tag(f)}", method="LightCache", fraction=f, cache="lightcache", options=o)
+                for f, o in entry["lightcache"].items()]
+    if "retrofits" in entry:
+        cells = []
+        for f in entry["retrofits"]:
+            x = round(1 / f)
+            if entry.get("heads", 8) >= x:
+                cells.append(dict(name=f"gqa{x}", method="GQA", fraction=f, train=["@gqa"],
+                                  gqa_groups=entry.get("heads", 8) // x))
+            cells += [dict(name=f"dmc{x}", method="DMC", fraction=f, train=["@dmc", f"method.target_cr={x}"]),
+                      dict(name=f"pool{x}", method="Fixed Memory Pooling", fraction=f,
+                           train=["@dmc", "method=fixed_pooling", f"method.target_cr={x}"])]
+        return cells
+    if "less" in entry:
+        cells, extra = [], entry.get("extra", 4)
+        for f in entry["less"]:
+            for p in entry["policies"]:
+                label = "Λ-masking" if p == "streaming_llm" else POLICIES[p].label  # the LESS paper's name for it
+                cells += [dict(name=f"less_{p}_{tag(f)}", method=f"LESS ({label})", fraction=f, cache="less",
+                               train=["@less", f"method.policy={p}"], budget_offset=extra),
+                          dict(name=f"baseline_{p}_{tag(f)}", method=f"Baseline ({label})", fraction=f, cache=p,
+                               budget_offset=extra)]
+        return cells
+    raise ConfigError(f"a study cell entry {entry} is neither a cell (name, method, fraction, ...) nor a group "
+                      f"(policies, lightcache, retrofits, less)")
+
+
+def tag(fraction: float) -> str:
+    """A fraction as cell names write it: 1, 1of2, 1of8."""
+    return "1" if fraction == 1 else f"1of{round(1 / fraction)}" if (1 / fraction).is_integer() else f"{fraction:g}"
 
 
 # -- running cells ------------------------------------------------------------------------------------
@@ -311,7 +306,7 @@ def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None
     if cache in POLICIES:
         options["budget"] = cell.budget(cfg.train.seq_length)
     start = time.perf_counter()
-    r = evaluate_cache(model, test, cache, options, max_sequences=preset.max_sequences,
+    r = evaluate_cache(model, test, cache, options, prompt_len=preset.prompt_len, max_sequences=preset.max_sequences,
                        batch_size=cfg.train.micro_batch_size, incremental_sequences=2, kv_budget_seqs=0,
                        progress=progress)
     return {"name": cell.name, "method": cell.method, "fraction": cell.fraction, "checkpoint": ckpt,

@@ -5,7 +5,8 @@ well-formed table and plot; a second run skips every finished cell. A retrofit c
 import json
 import os
 
-from dmc_train.evaluation import study, study_report
+from dmc_train.evaluation import study
+from launch import study_report
 from tests.helpers import run
 
 BASE = ["+recipe=tiny_pretrain", "train.max_steps=4", "train.eval_interval=4", "checkpoint.save_interval=4"]

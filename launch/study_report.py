@@ -9,7 +9,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from dmc_train.evaluation.report import budget_cell
-from dmc_train.evaluation.study import Preset, load_cells, presets
+from dmc_train.evaluation.study import Preset, load_cells, presets, tag
 
 Say = Callable[[str], None]
 
@@ -79,11 +79,12 @@ def table(results: list[dict], speed: Optional[dict] = None) -> str:
 
 
 def _fraction(f: float) -> str:
-    return {1.0: "1", 0.5: "1/2", 0.25: "1/4"}.get(f, f"{f:g}")
+    return "1" if f == 1 else f"1/{round(1 / f)}" if (1 / f).is_integer() else f"{f:g}"
 
 
 def orderings(results: list[dict]) -> list[str]:
-    """The papers' orderings that this study's cells can check, each with its numbers and a verdict."""
+    """The papers' orderings that this study's cells can check, each with its numbers and a verdict: at every
+    fraction of the bytes the cells have, and for the policies under each schedule they ran."""
     by = {r["name"]: r for r in results}
     lines = []
 
@@ -93,25 +94,35 @@ def orderings(results: list[dict]) -> list[str]:
     def check(claim: str, holds: bool, numbers: str) -> None:
         lines.append(f"- {claim}: **{'reproduced' if holds else 'not reproduced'}** ({numbers})")
 
-    for x, tag in ((2, "1of2"), (4, "1of4")):
-        others = {n: ppl(n) for n in (f"gqa{x}", f"h2o_{tag}", f"tova_{tag}") if ppl(n) is not None}
+    fractions = sorted({r["fraction"] for r in results if r["fraction"] < 1}, reverse=True)
+    for f in fractions:
+        x, t = round(1 / f), tag(f)
+        others = {n: ppl(n) for n in (f"gqa{x}", f"h2o_{t}", f"tova_{t}") if ppl(n) is not None}
         if ppl(f"dmc{x}") is not None and others:
             check(f"DMC {x}× at least as good as GQA, H2O and TOVA at 1/{x} of the bytes (DMC paper)",
                   all(ppl(f"dmc{x}") <= v for v in others.values()),
                   f"DMC {ppl(f'dmc{x}'):.2f} at {by[f'dmc{x}']['compression']:.2f}×; "
                   + ", ".join(f"{n} {v:.2f}" for n, v in others.items()))
         for p, label in (("h2o", "H2O"), ("streaming_llm", "Λ-masking")):
-            less, plus, alone = ppl(f"less_{p}_{tag}"), ppl(f"{p}_{tag}"), ppl(f"baseline_{p}_{tag}")
+            less, plus, alone = ppl(f"less_{p}_{t}"), ppl(f"{p}_{t}"), ppl(f"baseline_{p}_{t}")
             if None not in (less, plus, alone):
                 check(f"LESS < Baseline+ < Baseline on {label} at 1/{x} of the bytes (LESS paper)",
                       less < plus < alone, f"LESS {less:.2f}, Baseline+ {plus:.2f}, Baseline {alone:.2f}")
-        h2o, key, lsh, knorm = (ppl(f"{n}_{tag}") for n in ("h2o", "keyformer", "lsh_e", "knorm"))
-        if None not in (h2o, key):
-            check(f"Keyformer ahead of H2O at 1/{x} of the bytes (Keyformer paper)", key < h2o,
-                  f"Keyformer {key:.2f}, H2O {h2o:.2f}")
-        if None not in (h2o, lsh, knorm):
-            check(f"LSH-E within 2 % of H2O and ahead of Knorm at 1/{x} of the bytes (LSH-E paper)",
-                  abs(lsh - h2o) <= 0.02 * h2o and lsh < knorm, f"LSH-E {lsh:.2f}, H2O {h2o:.2f}, Knorm {knorm:.2f}")
+        for suffix, schedule in (("", ""), ("_prefill", ", prefill schedule")):
+            h2o, key, lsh, knorm, tova, stream = (ppl(f"{n}_{t}{suffix}") for n in
+                                                  ("h2o", "keyformer", "lsh_e", "knorm", "tova", "streaming_llm"))
+            where = f"at 1/{x} of the bytes{schedule}"
+            if None not in (h2o, stream):
+                check(f"H2O ahead of StreamingLLM {where} (H2O paper)", h2o < stream,
+                      f"H2O {h2o:.2f}, StreamingLLM {stream:.2f}")
+            if None not in (tova, h2o, stream):
+                check(f"TOVA ahead of H2O and StreamingLLM {where} (TOVA paper)", tova < min(h2o, stream),
+                      f"TOVA {tova:.2f}, H2O {h2o:.2f}, StreamingLLM {stream:.2f}")
+            if None not in (h2o, key):
+                check(f"Keyformer ahead of H2O {where} (Keyformer paper)", key < h2o, f"Keyformer {key:.2f}, H2O {h2o:.2f}")
+            if None not in (h2o, lsh, knorm):
+                check(f"LSH-E within 2 % of H2O and ahead of Knorm {where} (LSH-E paper)",
+                      abs(lsh - h2o) <= 0.02 * h2o and lsh < knorm, f"LSH-E {lsh:.2f}, H2O {h2o:.2f}, Knorm {knorm:.2f}")
     return lines
 
 
