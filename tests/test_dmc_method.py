@@ -25,17 +25,16 @@ def test_cr_gradient_equals_autograd_of_eq10(target_cr, active, device):
     sum_m tokens_m * max(0, S_m - N_m / CR) / N_m, and the loss values agree."""
     shapes = [(2, 3, 5), (2, 3, 5)]  # [b, h_kv, n] per layer
     tracker = CRLossTracker(num_layers=2, num_heads=3)
-    tracker.target_cr = target_cr
     weights = torch.randn(2, 3, 5, dtype=torch.float64).to(device)
     ours, ref = [], []
     for m in range(2):
         alphas = _alphas(m, shapes, device, scale=0.4)
         ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
         tracker.begin_chunk(0)
-        wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
+        wired = [tracker.record(a, layer, 0, target_cr) for layer, a in enumerate(alphas)]
         tracker.end_chunk(0)
         lm = sum((a * weights).sum() for a in wired)
-        value = tracker.loss(m)
+        value = tracker.loss(m, target_cr)
         lm.backward()
         ours.append((value, [a.grad for a in alphas]))
 
@@ -62,13 +61,11 @@ def test_cr_reduction_waits_for_every_model_chunk(device):
     tracker = CRLossTracker(num_layers=2, num_heads=1, num_chunks=2)
     for chunk, layer in ((0, 0), (0, 0), (1, 1), (1, 1)):  # chunk 0 runs m=0,1, then chunk 1 runs m=0,1
         tracker.begin_chunk(chunk)
-        tracker.record(torch.full((1, 1, 4), 0.25, device=device), layer, 0)
+        tracker.record(torch.full((1, 1, 4), 0.25, device=device), layer, 0, 2.0)
         tracker.end_chunk(chunk)
-    tracker.target_cr = 1.0
     assert tracker._partial[0][:, 0, :3].sum(0).tolist() == [2 * 4 * 0.75, 0, 8]  # both layers of micro-batch 0
-    assert tracker.loss(1) == pytest.approx(0.0)
-    tracker.target_cr = 2.0
-    assert tracker.loss(0) == pytest.approx((6 - 4) / 8)
+    assert tracker.loss(1, 1.0) == pytest.approx(0.0)
+    assert tracker.loss(0, 2.0) == pytest.approx((6 - 4) / 8)
 
 
 @pytest.mark.parametrize("form", ["per_head", "per_layer_head"])
@@ -79,13 +76,12 @@ def test_head_forms_gradient_is_straight_through_per_head(target_cr, form, devic
     gradient; compared with autograd of exactly that."""
     shapes = [(2, 4, 6), (2, 4, 6)]
     tracker = CRLossTracker(num_layers=2, num_heads=4, form=form)
-    tracker.target_cr = target_cr
     alphas = _alphas(3, shapes, device)
     alphas[1].data[:, 0] = 0.9  # head 0 accumulates a lot: its hinge is inactive
     ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
     weights = torch.randn(2, 4, 6, dtype=torch.float64).to(device)
     tracker.begin_chunk(0)
-    wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
+    wired = [tracker.record(a, layer, 0, target_cr) for layer, a in enumerate(alphas)]
     tracker.end_chunk(0)
     sum((a * weights).sum() for a in wired).backward()
 
@@ -95,7 +91,7 @@ def test_head_forms_gradient_is_straight_through_per_head(target_cr, form, devic
         mean_hard = mean_hard.mean(0)  # per head, over layers too
     loss = torch.clamp(1 - 1 / target_cr - mean_hard, min=0).mean()
     (sum((a * weights).sum() for a in ref_alphas) + 2 * 6 * loss).backward()
-    assert tracker.loss(0) == pytest.approx(loss.item(), abs=1e-12)
+    assert tracker.loss(0, target_cr) == pytest.approx(loss.item(), abs=1e-12)
     for a, r in zip(alphas, ref_alphas):
         torch.testing.assert_close(a.grad, r.grad)
     assert len({round(float(g), 12) for a in alphas for g in (a.grad - weights)[0, :, 0]}) > 1  # per-head hinges
@@ -110,15 +106,14 @@ def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr, 
     decision over all layers, KV heads and tokens; mean of the per-sequence hinges; straight-through.
     Heads are recorded in two TP-like halves to check that the sums are over all of them."""
     tracker = CRLossTracker(num_layers=2, num_heads=4, form="released")
-    tracker.target_cr = target_cr
     alphas = _alphas(4, [(3, 4, 6), (3, 4, 6)], device)
     for a in alphas:  # sequence 0 keeps every token, sequence 1 merges most of them
         a.data[0], a.data[1] = 0.1, 0.9
     ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
     weights = torch.randn(3, 4, 6, dtype=torch.float64).to(device)
     tracker.begin_chunk(0)
-    wired = [torch.cat([tracker.record(a[:, :2], layer, 0), tracker.record(a[:, 2:], layer, 2)], dim=1)
-             for layer, a in enumerate(alphas)]
+    wired = [torch.cat([tracker.record(a[:, :2], layer, 0, target_cr), tracker.record(a[:, 2:], layer, 2, target_cr)],
+                       dim=1) for layer, a in enumerate(alphas)]
     tracker.end_chunk(0)
     sum((a * weights).sum() for a in wired).backward()
 
@@ -126,7 +121,7 @@ def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr, 
     mean_hard = torch.stack([x.mean(dim=(1, 2)) for x in st]).mean(0)  # per sequence, over layers, heads, tokens
     loss = torch.clamp(1 - 1 / target_cr - mean_hard, min=0).mean()
     (sum((a * weights).sum() for a in ref_alphas) + 3 * 6 * loss).backward()
-    assert tracker.loss(0) == pytest.approx(loss.item(), abs=1e-12)
+    assert tracker.loss(0, target_cr) == pytest.approx(loss.item(), abs=1e-12)
     for a, r in zip(alphas, ref_alphas):
         torch.testing.assert_close(a.grad, r.grad)
     if target_cr == 1.5:  # sequence 1 meets the target, the others do not: only they get the push

@@ -108,8 +108,7 @@ class DMCMethod(Method):
         if step == self.cfg.method.zero_out_steps and step > 0:
             zero_decision_rows([chunk.module for chunk in model_chunks], self.state.settings.channel)
             self.optimizer.reload_model_params()  # the optimizer's fp32 main copy too
-        self.state.phase = "dmc"
-        self.tracker.target_cr = value
+        self.state.phase, self.state.target_cr = "dmc", value
 
     # -- loss and metrics -------------------------------------------------------------------------
     def loss_terms(self, model_chunk) -> dict[str, torch.Tensor]:
@@ -117,14 +116,14 @@ class DMCMethod(Method):
             return {}
         m = self.tracker.active
         device = distributed.device()
-        terms = {"cr_loss": torch.tensor(self.tracker.loss(m), device=device)}
+        terms = {"cr_loss": torch.tensor(self.tracker.loss(m, self.state.target_cr), device=device)}
         if self.state.settings.variant == "c":  # reported only: its gradient flows through the layers (AttachLoss)
             terms["cr_c_loss"] = torch.tensor(self.tracker.constraint_loss(m), device=device)
         return terms
 
     def after_step(self, step: int, model_chunks) -> dict:
         self.tracker.drain()
-        metrics = {"target_cr": self.tracker.target_cr if self.state.phase != "zero_out" else 1.0}
+        metrics = {"target_cr": self.state.target_cr if self.state.phase != "zero_out" else 1.0}
         stats = self.tracker.reduce_stats()
         if self.state.phase == "zero_out":
             return metrics
@@ -161,7 +160,7 @@ class FixedPoolingMethod(DMCMethod):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.state.phase = "fixed"  # every settings.pool tokens share a slot
-        self.tracker.target_cr = cfg.method.target_cr
+        self.state.target_cr = cfg.method.target_cr
 
     def lr_factor(self, step: int) -> float:
         return 1.0
