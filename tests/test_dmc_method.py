@@ -169,7 +169,7 @@ def test_schedule_stages_and_finetune_lr():
     (["model.num_query_groups=2", "parallel.tensor=4"], "parallel.tensor=4 does not divide model.num_query_groups=2"),
     (["train.recompute=full"], "train.recompute='full' is not supported with DMC"),
     (["train.precision=fp16"], "fp16 is not supported with DMC"),
-    (["method=fixed_pooling", "method.target_cr=2.5"], "must be an integer"),
+    (["method=fixed_pooling", "method.pool=0"], "method.pool=0 must be >= 1"),
     (["method.variant=soft"], "method.variant='soft' is not one of dmc, c, hardc"),
     (["method.cr_loss=mine"], "method.cr_loss='mine' is not one of paper, released"),
     (["method.rope_order=foo"], "method.rope_order='foo' is not one of post, pre"),
@@ -182,6 +182,27 @@ def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")) as e:
         validate(cfg, world_size=cfg.parallel.tensor)
     assert "\n" not in str(e.value)
+
+
+def test_fixed_pooling_pool_is_its_own_field():
+    """Fixed pooling's tokens per slot are method.pool (an integer), reaching DMCSettings.pool; it has no
+    method.target_cr. A checkpoint saved when the pool size was method.target_cr is read as method.pool."""
+    from omegaconf import OmegaConf
+
+    from dmc_train.methods.configs import dmc_settings
+    from dmc_train.training.model_loading import config_from_checkpoint
+
+    cfg = load_config(["+recipe=tiny_pretrain", "method=fixed_pooling", "method.pool=4"])
+    assert "target_cr" not in cfg.method and dmc_settings(cfg.method, 8).pool == 4
+    for wrong in ("method.target_cr=4", "method.pool=2.5"):
+        with pytest.raises(Exception, match=wrong.split("=")[0].split(".")[1]):
+            load_config(["+recipe=tiny_pretrain", "method=fixed_pooling", wrong])
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    del saved["method"]["pool"]
+    saved["method"]["target_cr"] = 4.0
+    old = config_from_checkpoint({"config": saved})
+    assert old.method.pool == 4 and "target_cr" not in old.method
+    validate(old, world_size=1)
 
 
 def test_unknown_method_is_rejected():

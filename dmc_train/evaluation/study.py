@@ -123,7 +123,7 @@ def _retrofits(fractions, heads: int = 8) -> list[Cell]:
         cells += [*gqa,
                   Cell(f"dmc{x}", "DMC", f, train=(*_DMC, f"method.target_cr={x}")),
                   Cell(f"pool{x}", "Fixed Memory Pooling", f, train=(*_DMC, "method=fixed_pooling",
-                                                                    f"method.target_cr={x}"))]
+                                                                    f"method.pool={x}"))]
     return cells
 
 

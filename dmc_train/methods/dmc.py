@@ -13,7 +13,7 @@ Stages, by optimizer step ``s`` (0-based), with Z / R / F = ``method.zero_out_st
    scheduler's LR, which the DMC recipes keep constant).
 
 The schedule is a pure function of the step, so a resumed run continues it exactly.
-``method=fixed_pooling`` is the paper's non-learned ablation (average every ``target_cr`` tokens).
+``method=fixed_pooling`` is the paper's non-learned ablation (average every ``method.pool`` tokens).
 """
 
 from __future__ import annotations
@@ -154,13 +154,17 @@ class DMCMethod(Method):
 
 
 class FixedPoolingMethod(DMCMethod):
-    """Fixed Memory Pooling (the DMC paper's ablation): average every ``method.target_cr`` tokens; no
-    decisions are learned, so there is no schedule and no CR loss."""
+    """Fixed Memory Pooling (the DMC paper's ablation): average every ``method.pool`` tokens; no
+    decisions are learned, so there is no schedule and no CR loss. Its target CR (metrics and checkpoint
+    metadata) is the pool size."""
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.state.phase = "fixed"  # every settings.pool tokens share a slot
-        self.state.target_cr = cfg.method.target_cr
+        self.state.target_cr = float(cfg.method.pool)
+
+    def stage(self, step: int) -> tuple[str, float]:
+        return "fixed", self.state.target_cr
 
     def lr_factor(self, step: int) -> float:
         return 1.0
