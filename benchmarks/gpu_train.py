@@ -40,7 +40,7 @@ METHODS = {
     "vanilla": ["method=none"],
     "dmc_exact": ["method=dmc", "method.target_cr=4", "method.accumulation=exact"],
     "dmc_window": ["method=dmc", "method.target_cr=4", "method.accumulation=window"],
-    "fixed_pooling": ["method=fixed_pooling", "method.target_cr=4"],
+    "fixed_pooling": ["method=fixed_pooling", "method.pool=4"],
     "less": ["method=less", "method.policy=h2o", "method.budget=0.25"],
 }
 

@@ -119,10 +119,12 @@ def orderings(results: list[dict]) -> list[str]:
                 check(f"TOVA ahead of H2O and StreamingLLM {where} (TOVA paper)", tova < min(h2o, stream),
                       f"TOVA {tova:.2f}, H2O {h2o:.2f}, StreamingLLM {stream:.2f}")
             if None not in (h2o, key):
-                check(f"Keyformer ahead of H2O {where} (Keyformer paper)", key < h2o, f"Keyformer {key:.2f}, H2O {h2o:.2f}")
+                check(f"Keyformer ahead of H2O {where} (Keyformer paper)", key < h2o,
+                      f"Keyformer {key:.2f}, H2O {h2o:.2f}")
             if None not in (h2o, lsh, knorm):
                 check(f"LSH-E within 2 % of H2O and ahead of Knorm {where} (LSH-E paper)",
-                      abs(lsh - h2o) <= 0.02 * h2o and lsh < knorm, f"LSH-E {lsh:.2f}, H2O {h2o:.2f}, Knorm {knorm:.2f}")
+                      abs(lsh - h2o) <= 0.02 * h2o and lsh < knorm,
+                      f"LSH-E {lsh:.2f}, H2O {h2o:.2f}, Knorm {knorm:.2f}")
     return lines
 
 

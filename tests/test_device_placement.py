@@ -13,7 +13,7 @@ RUNS = [
     ["method=dmc", "method.accumulation=window", "method.variant=c", "train.precision=bf16"],
     ["method=dmc", "method.variant=hardc", "method.rope_order=pre", "method.cr_loss=released"],
     ["method=dmc", "method.zero_out_steps=2"],
-    ["method=fixed_pooling", "method.target_cr=2"],
+    ["method=fixed_pooling", "method.pool=2"],
     ["method=less", "method.budget=16", "train.precision=bf16"],
 ]
 

@@ -25,17 +25,16 @@ def test_cr_gradient_equals_autograd_of_eq10(target_cr, active, device):
     sum_m tokens_m * max(0, S_m - N_m / CR) / N_m, and the loss values agree."""
     shapes = [(2, 3, 5), (2, 3, 5)]  # [b, h_kv, n] per layer
     tracker = CRLossTracker(num_layers=2, num_heads=3)
-    tracker.target_cr = target_cr
     weights = torch.randn(2, 3, 5, dtype=torch.float64).to(device)
     ours, ref = [], []
     for m in range(2):
         alphas = _alphas(m, shapes, device, scale=0.4)
         ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
         tracker.begin_chunk(0)
-        wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
+        wired = [tracker.record(a, layer, 0, target_cr) for layer, a in enumerate(alphas)]
         tracker.end_chunk(0)
         lm = sum((a * weights).sum() for a in wired)
-        value = tracker.loss(m)
+        value = tracker.loss(m, target_cr)
         lm.backward()
         ours.append((value, [a.grad for a in alphas]))
 
@@ -62,13 +61,11 @@ def test_cr_reduction_waits_for_every_model_chunk(device):
     tracker = CRLossTracker(num_layers=2, num_heads=1, num_chunks=2)
     for chunk, layer in ((0, 0), (0, 0), (1, 1), (1, 1)):  # chunk 0 runs m=0,1, then chunk 1 runs m=0,1
         tracker.begin_chunk(chunk)
-        tracker.record(torch.full((1, 1, 4), 0.25, device=device), layer, 0)
+        tracker.record(torch.full((1, 1, 4), 0.25, device=device), layer, 0, 2.0)
         tracker.end_chunk(chunk)
-    tracker.target_cr = 1.0
     assert tracker._partial[0][:, 0, :3].sum(0).tolist() == [2 * 4 * 0.75, 0, 8]  # both layers of micro-batch 0
-    assert tracker.loss(1) == pytest.approx(0.0)
-    tracker.target_cr = 2.0
-    assert tracker.loss(0) == pytest.approx((6 - 4) / 8)
+    assert tracker.loss(1, 1.0) == pytest.approx(0.0)
+    assert tracker.loss(0, 2.0) == pytest.approx((6 - 4) / 8)
 
 
 @pytest.mark.parametrize("form", ["per_head", "per_layer_head"])
@@ -79,13 +76,12 @@ def test_head_forms_gradient_is_straight_through_per_head(target_cr, form, devic
     gradient; compared with autograd of exactly that."""
     shapes = [(2, 4, 6), (2, 4, 6)]
     tracker = CRLossTracker(num_layers=2, num_heads=4, form=form)
-    tracker.target_cr = target_cr
     alphas = _alphas(3, shapes, device)
     alphas[1].data[:, 0] = 0.9  # head 0 accumulates a lot: its hinge is inactive
     ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
     weights = torch.randn(2, 4, 6, dtype=torch.float64).to(device)
     tracker.begin_chunk(0)
-    wired = [tracker.record(a, layer, 0) for layer, a in enumerate(alphas)]
+    wired = [tracker.record(a, layer, 0, target_cr) for layer, a in enumerate(alphas)]
     tracker.end_chunk(0)
     sum((a * weights).sum() for a in wired).backward()
 
@@ -95,7 +91,7 @@ def test_head_forms_gradient_is_straight_through_per_head(target_cr, form, devic
         mean_hard = mean_hard.mean(0)  # per head, over layers too
     loss = torch.clamp(1 - 1 / target_cr - mean_hard, min=0).mean()
     (sum((a * weights).sum() for a in ref_alphas) + 2 * 6 * loss).backward()
-    assert tracker.loss(0) == pytest.approx(loss.item(), abs=1e-12)
+    assert tracker.loss(0, target_cr) == pytest.approx(loss.item(), abs=1e-12)
     for a, r in zip(alphas, ref_alphas):
         torch.testing.assert_close(a.grad, r.grad)
     assert len({round(float(g), 12) for a in alphas for g in (a.grad - weights)[0, :, 0]}) > 1  # per-head hinges
@@ -110,15 +106,14 @@ def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr, 
     decision over all layers, KV heads and tokens; mean of the per-sequence hinges; straight-through.
     Heads are recorded in two TP-like halves to check that the sums are over all of them."""
     tracker = CRLossTracker(num_layers=2, num_heads=4, form="released")
-    tracker.target_cr = target_cr
     alphas = _alphas(4, [(3, 4, 6), (3, 4, 6)], device)
     for a in alphas:  # sequence 0 keeps every token, sequence 1 merges most of them
         a.data[0], a.data[1] = 0.1, 0.9
     ref_alphas = [a.detach().clone().requires_grad_() for a in alphas]
     weights = torch.randn(3, 4, 6, dtype=torch.float64).to(device)
     tracker.begin_chunk(0)
-    wired = [torch.cat([tracker.record(a[:, :2], layer, 0), tracker.record(a[:, 2:], layer, 2)], dim=1)
-             for layer, a in enumerate(alphas)]
+    wired = [torch.cat([tracker.record(a[:, :2], layer, 0, target_cr), tracker.record(a[:, 2:], layer, 2, target_cr)],
+                       dim=1) for layer, a in enumerate(alphas)]
     tracker.end_chunk(0)
     sum((a * weights).sum() for a in wired).backward()
 
@@ -126,7 +121,7 @@ def test_released_form_hinges_per_sequence_over_all_heads_and_layers(target_cr, 
     mean_hard = torch.stack([x.mean(dim=(1, 2)) for x in st]).mean(0)  # per sequence, over layers, heads, tokens
     loss = torch.clamp(1 - 1 / target_cr - mean_hard, min=0).mean()
     (sum((a * weights).sum() for a in ref_alphas) + 3 * 6 * loss).backward()
-    assert tracker.loss(0) == pytest.approx(loss.item(), abs=1e-12)
+    assert tracker.loss(0, target_cr) == pytest.approx(loss.item(), abs=1e-12)
     for a, r in zip(alphas, ref_alphas):
         torch.testing.assert_close(a.grad, r.grad)
     if target_cr == 1.5:  # sequence 1 meets the target, the others do not: only they get the push
@@ -174,7 +169,7 @@ def test_schedule_stages_and_finetune_lr():
     (["model.num_query_groups=2", "parallel.tensor=4"], "parallel.tensor=4 does not divide model.num_query_groups=2"),
     (["train.recompute=full"], "train.recompute='full' is not supported with DMC"),
     (["train.precision=fp16"], "fp16 is not supported with DMC"),
-    (["method=fixed_pooling", "method.target_cr=2.5"], "must be an integer"),
+    (["method=fixed_pooling", "method.pool=0"], "method.pool=0 must be >= 1"),
     (["method.variant=soft"], "method.variant='soft' is not one of dmc, c, hardc"),
     (["method.cr_loss=mine"], "method.cr_loss='mine' is not one of paper, released"),
     (["method.rope_order=foo"], "method.rope_order='foo' is not one of post, pre"),
@@ -187,6 +182,27 @@ def test_invalid_dmc_settings_fail_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")) as e:
         validate(cfg, world_size=cfg.parallel.tensor)
     assert "\n" not in str(e.value)
+
+
+def test_fixed_pooling_pool_is_its_own_field():
+    """Fixed pooling's tokens per slot are method.pool (an integer), reaching DMCSettings.pool; it has no
+    method.target_cr. A checkpoint saved when the pool size was method.target_cr is read as method.pool."""
+    from omegaconf import OmegaConf
+
+    from dmc_train.methods.configs import dmc_settings
+    from dmc_train.training.model_loading import config_from_checkpoint
+
+    cfg = load_config(["+recipe=tiny_pretrain", "method=fixed_pooling", "method.pool=4"])
+    assert "target_cr" not in cfg.method and dmc_settings(cfg.method, 8).pool == 4
+    for wrong in ("method.target_cr=4", "method.pool=2.5"):
+        with pytest.raises(Exception, match=wrong.split("=")[0].split(".")[1]):
+            load_config(["+recipe=tiny_pretrain", "method=fixed_pooling", wrong])
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    del saved["method"]["pool"]
+    saved["method"]["target_cr"] = 4.0
+    old = config_from_checkpoint({"config": saved})
+    assert old.method.pool == 4 and "target_cr" not in old.method
+    validate(old, world_size=1)
 
 
 def test_unknown_method_is_rejected():

@@ -48,7 +48,8 @@ def test_zero_out_stage_ends_with_zeroed_decision_rows(res):
 
 def test_fixed_pooling_ablation_trains(res):
     pool = res["fixed_pool"]
-    assert pool["cr"] == [2.0, 2.0, 2.0]
+    assert pool["cr"] == [2.0, 2.0, 2.0] and pool["target_cr"] == [2.0, 2.0, 2.0]  # the pool size, every step
+    assert (pool["meta"]["stage"], pool["meta"]["target_cr"], pool["meta"]["achieved_cr"]) == ("fixed", 2.0, 2.0)
     assert pool["val_loss"][-1] is not None and 5 < pool["val_loss"][-1] < 7
 
 

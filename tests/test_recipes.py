@@ -80,6 +80,14 @@ def test_llama3_recipes_scale_the_paper_schedule_to_the_model(name):
         assert count_parameters(m) == pytest.approx(8.03e9, rel=0.001)
 
 
+def test_dmc_tiny_serves_dmc_and_fixed_pooling():
+    """dmc_tiny's run name carries the CR: DMC's method.target_cr, or fixed pooling's method.pool."""
+    assert load_config(["+recipe=dmc_tiny"]).run_name == "dmc_tiny_cr2.0"
+    cfg = load_config(["+recipe=dmc_tiny", "method=fixed_pooling", "method.pool=4"])
+    assert cfg.run_name == "fixed_pooling_tiny_cr4"
+    validate(cfg, world_size=cfg.parallel.tensor * cfg.parallel.pipeline)
+
+
 def test_unknown_key_is_rejected():
     with pytest.raises(Exception, match="nonexistent"):
         load_config(["+recipe=tiny_pretrain", "train.nonexistent=1"])

@@ -153,7 +153,7 @@ def _group(entry: dict) -> list[dict]:
                                   gqa_groups=entry.get("heads", 8) // x))
             cells += [dict(name=f"dmc{x}", method="DMC", fraction=f, train=["@dmc", f"method.target_cr={x}"]),
                       dict(name=f"pool{x}", method="Fixed Memory Pooling", fraction=f,
-                           train=["@dmc", "method=fixed_pooling", f"method.target_cr={x}"])]
+                           train=["@dmc", "method=fixed_pooling", f"method.pool={x}"])]
         return cells
     if "less" in entry:
         cells, extra = [], entry.get("extra", 4)

@@ -36,11 +36,12 @@ ROPE_ORDERS = ("post", "pre")
 
 
 @dataclass
-class DMCConfig:
-    """DMC retrofitting (docs/METHODS.md, DMC): decisions, accumulation, CR loss and schedule."""
+class DMCAttentionConfig:
+    """The fields DMC and Fixed Memory Pooling share (docs/DMC.md): the DMC attention's and the schedule's.
+    Fixed pooling learns no decisions and ignores the decision, CR-loss and schedule fields (they stay so
+    that a DMC recipe composes with ``method=fixed_pooling``); each method adds its own compression field."""
 
-    name: str = "dmc"
-    target_cr: float = 2.0  # compression ratio reached at the end of the ramp (>= 1)
+    name: str = ""  # each method's own (first in a saved config)
     decision_channel: str = "last"  # last (released code) | first (paper)
     init_offset: float = 5.0  # c0: alpha logit = k[c] - c0, omega = sigmoid(q[c] + c0)
     omega_eps: float = 1e-6  # added to omega (keeps z > 0); released code: finfo(dtype).eps (bf16 0.0078125)
@@ -67,8 +68,6 @@ class DMCConfig:
                              ("variant", DMC_VARIANTS), ("rope_order", ROPE_ORDERS)):
             if d[key] not in allowed:
                 raise ConfigError(f"method.{key}={d[key]!r} is not one of {', '.join(allowed)}")
-        if not d.target_cr >= 1:
-            raise ConfigError(f"method.target_cr={d.target_cr} must be >= 1 (1 = no compression)")
         if d.window < 1:
             raise ConfigError(f"method.window={d.window} must be >= 1")
         if not d.omega_eps > 0:
@@ -81,10 +80,6 @@ class DMCConfig:
             raise ConfigError("method.zero_out_steps, method.ramp_steps and method.finetune_steps must be >= 0")
         if not 0 < d.zero_out_fraction <= 1:
             raise ConfigError(f"method.zero_out_fraction={d.zero_out_fraction} must be in (0, 1]")
-        if d.name == "dmc" and d.finetune_steps > 0 and cfg.optim.schedule != "constant":
-            raise ConfigError(f"method.finetune_steps={d.finetune_steps} decays the learning rate itself (a cosine "
-                              f"factor on the scheduler's LR); set optim.schedule=constant as the DMC recipes do, "
-                              f"or method.finetune_steps=0 to keep optim.schedule={cfg.optim.schedule}")
         if head_dim < 2:
             raise ConfigError(f"DMC needs a head dimension >= 2 to free a decision channel; "
                               f"model.hidden_size / model.num_attention_heads = {head_dim}")
@@ -97,17 +92,36 @@ class DMCConfig:
 
 
 @dataclass
-class FixedPoolingConfig(DMCConfig):
-    """Fixed Memory Pooling, the DMC paper's ablation: average every ``target_cr`` tokens."""
+class DMCConfig(DMCAttentionConfig):
+    """DMC retrofitting (docs/METHODS.md, DMC): decisions, accumulation, CR loss and schedule."""
 
-    name: str = "fixed_pooling"
+    name: str = "dmc"
+    target_cr: float = 2.0  # compression ratio reached at the end of the ramp (>= 1)
 
     @staticmethod
     def check(cfg: Any) -> None:
-        DMCConfig.check(cfg)
-        if cfg.method.target_cr != int(cfg.method.target_cr):
-            raise ConfigError(f"fixed_pooling averages every method.target_cr tokens: it must be an integer, "
-                              f"got {cfg.method.target_cr}")
+        DMCAttentionConfig.check(cfg)
+        d = cfg.method
+        if not d.target_cr >= 1:
+            raise ConfigError(f"method.target_cr={d.target_cr} must be >= 1 (1 = no compression)")
+        if d.finetune_steps > 0 and cfg.optim.schedule != "constant":
+            raise ConfigError(f"method.finetune_steps={d.finetune_steps} decays the learning rate itself (a cosine "
+                              f"factor on the scheduler's LR); set optim.schedule=constant as the DMC recipes do, "
+                              f"or method.finetune_steps=0 to keep optim.schedule={cfg.optim.schedule}")
+
+
+@dataclass
+class FixedPoolingConfig(DMCAttentionConfig):
+    """Fixed Memory Pooling, the DMC paper's ablation: average every ``pool`` tokens into one slot."""
+
+    name: str = "fixed_pooling"
+    pool: int = 2  # tokens averaged into one slot: the compression ratio (1 = no compression)
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        DMCAttentionConfig.check(cfg)
+        if cfg.method.pool < 1:
+            raise ConfigError(f"method.pool={cfg.method.pool} must be >= 1 (tokens averaged into one slot)")
 
 
 @dataclass
@@ -186,6 +200,6 @@ def dmc_settings(method: Any, head_dim: int, step: int | None = None) -> DMCSett
         window=int(field("window", 12)),
         attention_impl=str(field("attention_impl", "auto")),
         variant=str(field("variant", "dmc")),
-        pool=int(field("target_cr")) if pooling else None,
+        pool=int(field("pool")) if pooling else None,
         rope_order=str(field("rope_order", "post")),
     )

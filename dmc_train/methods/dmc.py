@@ -13,7 +13,7 @@ Stages, by optimizer step ``s`` (0-based), with Z / R / F = ``method.zero_out_st
    scheduler's LR, which the DMC recipes keep constant).
 
 The schedule is a pure function of the step, so a resumed run continues it exactly.
-``method=fixed_pooling`` is the paper's non-learned ablation (average every ``target_cr`` tokens).
+``method=fixed_pooling`` is the paper's non-learned ablation (average every ``method.pool`` tokens).
 """
 
 from __future__ import annotations
@@ -108,8 +108,7 @@ class DMCMethod(Method):
         if step == self.cfg.method.zero_out_steps and step > 0:
             zero_decision_rows([chunk.module for chunk in model_chunks], self.state.settings.channel)
             self.optimizer.reload_model_params()  # the optimizer's fp32 main copy too
-        self.state.phase = "dmc"
-        self.tracker.target_cr = value
+        self.state.phase, self.state.target_cr = "dmc", value
 
     # -- loss and metrics -------------------------------------------------------------------------
     def loss_terms(self, model_chunk) -> dict[str, torch.Tensor]:
@@ -117,14 +116,14 @@ class DMCMethod(Method):
             return {}
         m = self.tracker.active
         device = distributed.device()
-        terms = {"cr_loss": torch.tensor(self.tracker.loss(m), device=device)}
+        terms = {"cr_loss": torch.tensor(self.tracker.loss(m, self.state.target_cr), device=device)}
         if self.state.settings.variant == "c":  # reported only: its gradient flows through the layers (AttachLoss)
             terms["cr_c_loss"] = torch.tensor(self.tracker.constraint_loss(m), device=device)
         return terms
 
     def after_step(self, step: int, model_chunks) -> dict:
         self.tracker.drain()
-        metrics = {"target_cr": self.tracker.target_cr if self.state.phase != "zero_out" else 1.0}
+        metrics = {"target_cr": self.state.target_cr if self.state.phase != "zero_out" else 1.0}
         stats = self.tracker.reduce_stats()
         if self.state.phase == "zero_out":
             return metrics
@@ -155,13 +154,17 @@ class DMCMethod(Method):
 
 
 class FixedPoolingMethod(DMCMethod):
-    """Fixed Memory Pooling (the DMC paper's ablation): average every ``method.target_cr`` tokens; no
-    decisions are learned, so there is no schedule and no CR loss."""
+    """Fixed Memory Pooling (the DMC paper's ablation): average every ``method.pool`` tokens; no
+    decisions are learned, so there is no schedule and no CR loss. Its target CR (metrics and checkpoint
+    metadata) is the pool size."""
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         self.state.phase = "fixed"  # every settings.pool tokens share a slot
-        self.tracker.target_cr = cfg.method.target_cr
+        self.state.target_cr = float(cfg.method.pool)
+
+    def stage(self, step: int) -> tuple[str, float]:
+        return "fixed", self.state.target_cr
 
     def lr_factor(self, step: int) -> float:
         return 1.0

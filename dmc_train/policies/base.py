@@ -19,8 +19,8 @@ is compressed to ``max(1, int(P * (1 - compression_ratio)))`` entries and decode
 
 State of ``N`` rows with ``L`` entry slots each (:class:`Entries`): ``positions [N, L]`` int64 or int32 (token
 position of the entry, -1 = empty slot; the engine keeps int32), ``scores [N, L]`` fp32, and for hashing policies
-``codes [N, L, nbytes]`` uint8. The engine's slots are page entries; the parallel form fills its slots as the engine does.
-Rows are ordered ``[sequence, KV head]`` (``N = b * H_kv``), which layer-wide aggregation relies on.
+``codes [N, L, nbytes]`` uint8. The engine's slots are page entries; the parallel form fills its slots as the
+engine does. Rows are ordered ``[sequence, KV head]`` (``N = b * H_kv``), which layer-wide aggregation relies on.
 """
 
 from __future__ import annotations

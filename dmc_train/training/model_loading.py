@@ -38,13 +38,16 @@ class LoadedModel:
 
 
 def config_from_checkpoint(meta: dict, overrides: Sequence[str] = ()) -> Any:
-    """The typed config saved in a checkpoint's ``meta.json``, with dotted ``overrides`` applied."""
+    """The typed config saved in a checkpoint's ``meta.json``, with dotted ``overrides`` applied. A fixed-pooling
+    config saved when its pool size was ``method.target_cr`` is read as ``method.pool``."""
     saved = OmegaConf.create(meta["config"])
     method = METHODS.get(saved.method.name) if "method" in saved and "name" in saved.method else None
     if method is None:
         raise CheckpointError(f"the checkpoint's config has no known method "
                               f"({OmegaConf.select(saved, 'method')}); "
                               f"pass the recipe's config instead")
+    if saved.method.name == "fixed_pooling" and "target_cr" in saved.method:
+        saved.method.pool = int(saved.method.pop("target_cr"))
     schema = OmegaConf.structured(config_mod.Config)
     schema.method = OmegaConf.structured(method.config)
     return OmegaConf.merge(schema, saved, OmegaConf.from_dotlist(list(overrides)))

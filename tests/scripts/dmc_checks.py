@@ -6,7 +6,8 @@ Scenarios (tiny model, GQA 4 groups, zero-out 2 + ramp 2 + finetune 2 steps):
   full          uninterrupted 6 steps, checkpoints at steps 3 and 6: losses, stages, metadata, PNGs
   resumed       the same run stopped after 3 steps and resumed: losses of steps 4..6
   zeroed_rows   before step 2 (end of zero-out) the q/k decision-channel rows of W_qkv are zero
-  fixed_pool    the Fixed Memory Pooling ablation trains and evaluates
+  fixed_pool    the Fixed Memory Pooling ablation (method.pool=2; the schedule fields ignored) trains, evaluates
+                and records its stage and target CR
   rope_pre      method.rope_order=pre: one DMC attention module against
                 kernels.dmc.reference_pre_rope_dmc_attention (eval/hard, train/soft, fixed pooling),
                 against rope_order=post, and in the zero-out phase; method.decision_threshold and
@@ -19,18 +20,18 @@ import json
 import os
 import sys
 
-COMMON = ["+recipe=tiny_pretrain", "method=dmc", "model.num_query_groups=4", "train.max_steps=6",
+COMMON = ["+recipe=tiny_pretrain", "model.num_query_groups=4", "train.max_steps=6",
           "train.eval_interval=3", "logging.progress=false", "checkpoint.save_interval=3", "optim.lr=3e-3",
           "optim.schedule=constant",
-          "method.zero_out_steps=2", "method.ramp_steps=2", "method.finetune_steps=2", "method.target_cr=3",
-          "method.init_offset=1.0"]
+          "method.zero_out_steps=2", "method.ramp_steps=2", "method.finetune_steps=2", "method.init_offset=1.0"]
+DMC = ["method=dmc", "method.target_cr=3"]
 
 
-def run(overrides):
+def run(overrides, method=DMC):
     from dmc_train.recipes import load_config
     from dmc_train.training.loop import train
 
-    return train(load_config(COMMON + overrides))
+    return train(load_config(COMMON + method + overrides))
 
 
 def history(summary, key):
@@ -146,7 +147,7 @@ def main(out_path: str, work: str) -> None:
     run([f"run_dir={work}/split", "train.max_steps_per_job=3"])
     res["resumed"] = history(run([f"run_dir={work}/split"]), "lm_loss")
 
-    trainer = Trainer(load_config(COMMON + [f"run_dir={work}/rows", "checkpoint.resume=none"]))
+    trainer = Trainer(load_config(COMMON + DMC + [f"run_dir={work}/rows", "checkpoint.resume=none"]))
     trainer.method.before_step(2, trainer.model)
     rows = []
     for module in trainer.model[0].module.modules():
@@ -157,11 +158,12 @@ def main(out_path: str, work: str) -> None:
                          "other": float(qk[:, :-1].abs().min(dim=-1).values.max())})
     res["zeroed_rows"] = rows
 
-    pool = run([f"run_dir={work}/pool", "method=fixed_pooling", "method.target_cr=2", "train.max_steps=3"])
-    res["fixed_pool"] = {k: history(pool, k) for k in ("lm_loss", "val_loss", "cr")}
+    pool = run([f"run_dir={work}/pool", "method.pool=2", "train.max_steps=3"], method=["method=fixed_pooling"])
+    res["fixed_pool"] = {k: history(pool, k) for k in ("lm_loss", "val_loss", "cr", "target_cr")}
+    res["fixed_pool"]["meta"] = read_meta(f"{work}/pool/checkpoints/iter_0000003")["method_metadata"]
 
     pre = ["method.rope_order=pre"]
-    trainer = Trainer(load_config(COMMON + pre + [f"run_dir={work}/rope", "checkpoint.resume=none"]))
+    trainer = Trainer(load_config(COMMON + DMC + pre + [f"run_dir={work}/rope", "checkpoint.resume=none"]))
     res["rope_pre"] = rope_pre_module(trainer)
     full = run(pre + [f"run_dir={work}/pre_full", "checkpoint.save_interval=0"])
     run(pre + [f"run_dir={work}/pre_split", "train.max_steps_per_job=3"])

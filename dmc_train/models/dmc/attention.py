@@ -57,11 +57,12 @@ from kernels.dmc import decisions, dmc_attention, partial_accumulation
 @dataclass
 class DMCState:
     """What every DMC layer of a rank shares with the method: the frozen ``settings`` beside the run
-    state (phase and zero-out factor set by the schedule, the noise coordinates, the CR tracker)."""
+    state (phase, zero-out factor and target CR set by the schedule, the noise coordinates, the CR tracker)."""
 
     settings: DMCSettings
     phase: str = "dmc"  # zero_out | dmc | fixed
     zero_out_factor: float = 1.0
+    target_cr: float = 1.0  # the CR loss's target in the dmc phase (fixed pooling: its pool size)
     noise_seed: int = 0  # Gumbel noise = f(noise_seed, step, data-parallel rank, micro-batch, layer)
     step: int = 0
     dp_rank: int = 0
@@ -109,7 +110,7 @@ class DMCSelfAttention(SelfAttention):
             s, b, g, _ = key.shape
             alpha = decisions.fixed_pooling_alpha(s, settings.pool, key.device).expand(b, g, s).contiguous()
             if st.tracker is not None:  # counts the decisions (achieved CR); no gradient
-                alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset)
+                alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, st.target_cr)
             return (query, *self._hand_off(key, value, alpha, torch.ones_like(alpha)))
         keep = torch.ones(query.shape[-1], dtype=query.dtype, device=query.device)
         if st.phase == "zero_out":
@@ -132,7 +133,8 @@ class DMCSelfAttention(SelfAttention):
             # Normalised per decision like Eq. 10; the loop weights loss terms by the b * n tokens.
             query = AttachLoss.apply(query, constraint.sum(), 1.0 / (n_layers * n_heads))
         if st.tracker is not None:
-            alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, constraint=constraint)
+            alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, st.target_cr,
+                                      constraint=constraint)
         return (query, *self._hand_off(key, value, alpha, omega.permute(1, 2, 0)))
 
     def _hand_off(self, key, value, alpha, omega) -> tuple[torch.Tensor, torch.Tensor]:

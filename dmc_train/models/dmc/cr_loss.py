@@ -26,7 +26,8 @@ value on the last stage - is needed.
 The gradient is injected by an identity autograd function on each layer's alphas: in backward it
 adds ``d l_CR / d alpha`` times the micro-batch's token count (the loop weights every loss term by
 its tokens), so each rank's gradient flows only into its own alphas and from there through the
-normal pipeline backward.
+normal pipeline backward. The target CR is an input: each layer gives its step's target with its
+alphas (:meth:`CRLossTracker.record`, kept for their backward), the loss value takes it as an argument.
 
 The tracker also carries the DMC-C constraint's value (its gradient flows through the graph, see
 ``attention.py``) and counts hard decisions per (layer, KV head) for the achieved CR.
@@ -58,7 +59,6 @@ class CRLossTracker:
     def __init__(self, num_layers: int, num_heads: int, num_chunks: int = 1, group=None, form: str = "paper"):
         self.num_layers, self.num_heads, self.num_chunks = num_layers, num_heads, num_chunks
         self.group, self.form = group, form
-        self.target_cr = 1.0
         # (appends, decisions), on the model's device like every buffer here
         self.stats = torch.zeros(num_layers, num_heads, 2, dtype=torch.float64, device=distributed.device())
         self._forwards = defaultdict(int)  # chunk -> forwards run so far (= its next micro-batch index)
@@ -95,13 +95,14 @@ class CRLossTracker:
             self._sums(m)
             self._pending[m] = dist.all_reduce(self._buffers[m], group=self.group, async_op=True)
 
-    def record(self, alpha: torch.Tensor, layer: int, head_offset: int,
+    def record(self, alpha: torch.Tensor, layer: int, head_offset: int, target_cr: float,
                constraint: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Account for one layer's alphas ``[b, h_kv_local, n]`` (first token already 0).
 
         ``layer``: 0-based global layer index; ``head_offset``: global index of the first local KV
-        head; ``constraint``: the DMC-C term per local head ``[h_kv_local]`` (value only, for logging).
-        Returns ``alpha`` unchanged, wired to receive the CR-loss gradient in backward.
+        head; ``target_cr``: the CR loss's target of the step; ``constraint``: the DMC-C term per local
+        head ``[h_kv_local]`` (value only, for logging). Returns ``alpha`` unchanged, wired to receive
+        the gradient of the CR loss at ``target_cr`` in backward.
         """
         m = self.active
         b, h, n = alpha.shape
@@ -120,7 +121,7 @@ class CRLossTracker:
         self.stats[layer, heads, 0] += (1 - hard).sum(dim=(0, 2))
         self.stats[layer, heads, 1] += b * n
         if alpha.requires_grad:
-            return _InjectCRGradient.apply(alpha, self, m, layer, head_offset)
+            return _InjectCRGradient.apply(alpha, self, m, layer, head_offset, target_cr)
         return alpha
 
     # -- values needed at backward / loss time ----------------------------------------------------
@@ -138,35 +139,35 @@ class CRLossTracker:
         sums = self._global_sums(m)
         return sums[..., HARD:COUNT + 1].sum(0) if self.form == "per_head" else sums[..., HARD:COUNT + 1]
 
-    def loss(self, m: int) -> float:
-        """The CR loss of micro-batch m (all layers and heads of the model)."""
+    def loss(self, m: int, target_cr: float) -> float:
+        """The CR loss of micro-batch m (all layers and heads of the model) at target ``target_cr``."""
         sums = self._global_sums(m)
         if self.form == "paper":
             n = sums[..., COUNT].sum()
-            return float((sums[..., KEEP].sum() - n / self.target_cr).clamp(min=0) / n)
+            return float((sums[..., KEEP].sum() - n / target_cr).clamp(min=0) / n)
         hinged = self._hinged(m)
-        return float((1 - 1 / self.target_cr - hinged[..., 0] / hinged[..., 1]).clamp(min=0).mean())
+        return float((1 - 1 / target_cr - hinged[..., 0] / hinged[..., 1]).clamp(min=0).mean())
 
     def constraint_loss(self, m: int) -> float:
         """The DMC-C term of micro-batch m, normalised per decision like Eq. 10."""
         sums = self._global_sums(m)
         return float(sums[..., CONSTRAINT].sum() / sums[..., COUNT].sum())
 
-    def alpha_gradient(self, m: int, layer: int, head_offset: int, heads: int) -> torch.Tensor:
-        """``d (l_CR * tokens) / d alpha`` for the alphas ``[b, heads, n]`` of micro-batch m in global
-        layer ``layer`` whose first KV head is global head ``head_offset``; broadcastable:
-        ``[1, heads, 1]`` or, per sequence, ``[b, 1, 1]``."""
+    def alpha_gradient(self, m: int, layer: int, head_offset: int, heads: int, target_cr: float) -> torch.Tensor:
+        """``d (l_CR * tokens) / d alpha`` at target ``target_cr`` for the alphas ``[b, heads, n]`` of
+        micro-batch m in global layer ``layer`` whose first KV head is global head ``head_offset``;
+        broadcastable: ``[1, heads, 1]`` or, per sequence, ``[b, 1, 1]``."""
         sums = self._global_sums(m)
         tokens = self._tokens[m]
         if self.form == "paper":
             n = sums[..., COUNT].sum()
-            active = float(sums[..., KEEP].sum() > n / self.target_cr)
+            active = float(sums[..., KEEP].sum() > n / target_cr)
             return torch.full((1, heads, 1), -tokens * active / float(n), dtype=torch.float64, device=sums.device)
         # hinge forms, over groups i: d mean_i max(0, 1 - 1/CR - hard_i / count_i) / d alpha
         # = -1 / (number of groups * count_i) where the hinge of i is active
         hinged = self._hinged(m)
         hard, count = hinged[..., 0], hinged[..., 1]
-        coef = -tokens * (hard / count < 1 - 1 / self.target_cr).double() / (hard.numel() * count)
+        coef = -tokens * (hard / count < 1 - 1 / target_cr).double() / (hard.numel() * count)
         if self.form == "released":
             return coef.view(-1, 1, 1)
         if self.form == "per_layer_head":
@@ -193,11 +194,11 @@ class _InjectCRGradient(torch.autograd.Function):
     """Identity in forward; adds the CR loss's gradient to ``alpha [b, h, n]`` in backward."""
 
     @staticmethod
-    def forward(ctx, alpha, tracker, m, layer, head_offset):
-        ctx.tracker, ctx.m, ctx.layer, ctx.head_offset = tracker, m, layer, head_offset
+    def forward(ctx, alpha, tracker, m, layer, head_offset, target_cr):
+        ctx.tracker, ctx.m, ctx.layer, ctx.head_offset, ctx.target_cr = tracker, m, layer, head_offset, target_cr
         return alpha.view_as(alpha)
 
     @staticmethod
     def backward(ctx, grad):
-        coef = ctx.tracker.alpha_gradient(ctx.m, ctx.layer, ctx.head_offset, grad.shape[1])
-        return grad + coef.to(grad.dtype), None, None, None, None
+        coef = ctx.tracker.alpha_gradient(ctx.m, ctx.layer, ctx.head_offset, grad.shape[1], ctx.target_cr)
+        return grad + coef.to(grad.dtype), None, None, None, None, None
