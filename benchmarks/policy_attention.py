@@ -26,7 +26,6 @@ import time
 import torch
 
 
-
 def test_sequences(checkpoint: str, count: int, seq_length: int) -> torch.Tensor:
     """``[count, seq_length]`` tokens of the checkpoint's held-out test split, in its own tokenizer."""
     from dmc_train.data.datasets import build_datasets
