@@ -56,7 +56,7 @@ def study_app(cfg) -> None:
         markdown = study_report.write(results, out, speed, [command.strip()], cfg.preset, preset,
                                       "docs" if cfg.docs else None, sections)
         print(markdown)
-        say(f"wrote {os.path.join(out, 'RESULTS.md')}")
+        say(f"wrote {os.path.join(out, study_report.file_names(cfg.preset)[0])}")
 
     try:
         cli.run_reporting_errors(run)

@@ -245,29 +245,39 @@ def _cells(grid):
 def write(results: list[dict], out: str, speed: Optional[dict], commands: list[str], preset_name: str,
           preset: Preset, docs_dir: Optional[str] = None, sections: Sequence[str] = ()) -> str:
     """``<out>/RESULTS.md`` with its PNGs beside it (and the same in ``docs_dir``), ``sections`` (markdown
-    lines) at the end; returns the markdown."""
+    lines) at the end; returns the markdown. The files are named after the preset (:func:`file_names`)."""
+    md, pareto, heads = file_names(preset_name)
     seconds = sum(r.get("cell_seconds", 0) for r in results)
     pending = [c.name for c in preset.cells if c.name not in {r["name"] for r in results}]
+    prompt = (f" The first {preset.prompt_len} tokens of each are a prompt (prefilled, then compressed); the tokens "
+              f"after it are scored." if preset.prompt_len > 1 else "")
     text = [f"# Every method at equal memory (study preset `{preset_name}`)", "",
             f"Base model: `{' '.join(preset.base + preset.model)}`; the first {preset.max_sequences} test sequences "
-            f"per cell. {len(results)} cells finished, {time.strftime('%Y-%m-%d', time.gmtime())}; the cells' own "
-            f"time (training and evaluation, one after another): {seconds / 60:.0f} min."
+            f"per cell.{prompt} {len(results)} cells finished, {time.strftime('%Y-%m-%d', time.gmtime())}; the "
+            f"cells' own time (training and evaluation, one after another): {seconds / 60:.0f} min."
             + (f" Not run yet: {', '.join(pending)}." if pending else ""), "",
             "Commands:", "", *[f"    {c}" for c in commands], "", table(results, speed), "",
-            "![perplexity vs KV bytes](study_pareto.png)", ""]
+            f"![perplexity vs KV bytes]({pareto})", ""]
     if any(r["method"] == "DMC" for r in results):
-        text += ["![DMC compression per layer and head](study_dmc_heads.png)", ""]
+        text += [f"![DMC compression per layer and head]({heads})", ""]
     checks = orderings(results)
     if checks:
-        text += ["The papers' orderings, checked:", "", *checks, "",
-                 "LightCache against StreamingLLM past the trained length needs longer texts than these cells: "
-                 "`benchmarks/lightcache.py` (docs/BENCHMARKS.md, \"LightCache on base_tiny\").", ""]
+        text += ["The papers' orderings, checked:", "", *checks, ""]
     text += list(sections)
     markdown = "\n".join(text)
     for folder in [out] + ([docs_dir] if docs_dir else []):
         os.makedirs(folder, exist_ok=True)
-        plot(results, os.path.join(folder, "study_pareto.png"))
-        heatmap(results, os.path.join(folder, "study_dmc_heads.png"))
-        with open(os.path.join(folder, "RESULTS.md"), "w") as f:
+        plot(results, os.path.join(folder, pareto))
+        heatmap(results, os.path.join(folder, heads))
+        with open(os.path.join(folder, md), "w") as f:
             f.write(markdown)
     return markdown
+
+
+def file_names(preset_name: str) -> tuple[str, str, str]:
+    """The report, its Pareto plot and its DMC heatmap: ``RESULTS.md``, ``study_pareto.png``,
+    ``study_dmc_heads.png`` for the ``full`` preset (the project's study), ``RESULTS_<preset>.md``,
+    ``<preset>_pareto.png``, ``<preset>_dmc_heads.png`` for another, so that presets share ``docs/``."""
+    if preset_name == "full":
+        return "RESULTS.md", "study_pareto.png", "study_dmc_heads.png"
+    return f"RESULTS_{preset_name}.md", f"{preset_name}_pareto.png", f"{preset_name}_dmc_heads.png"

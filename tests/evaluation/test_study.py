@@ -20,7 +20,7 @@ def test_quick_study_writes_the_table_and_plot_and_resumes(tmp_path):
     out = tmp_path / "study"
     cells = sorted(p.stem for p in (out / "cells").iterdir())
     assert cells == ["h2o_1of4", "streaming_llm_1of4", "vanilla"]
-    table = (out / "RESULTS.md").read_text()
+    table = (out / "RESULTS_quick.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 3 and all(r.count("|") == 13 for r in rows)
     vanilla = json.loads((out / "cells" / "vanilla.json").read_text())
@@ -29,7 +29,7 @@ def test_quick_study_writes_the_table_and_plot_and_resumes(tmp_path):
     assert 3.0 < h2o["compression"] < 4.0  # 4x fewer entries, the policy's scores beside them
     assert "| vanilla | vanilla | 1 | — | 2,048 | 1.00× |" in table  # 2 x 4 layers x 8 heads x 8 channels x 4 B
     assert "| H2O | h2o_1of4 | 1/4 | 16 (0.25) |" in table  # the budget both ways
-    assert (out / "study_pareto.png").stat().st_size > 10_000
+    assert (out / "quick_pareto.png").stat().st_size > 10_000
     speed = json.loads((out / "speed.json").read_text())
     assert speed["h2o_1of4"]["batch"] > speed["vanilla"]["batch"]
     assert "evaluating h2o_1of4" in first
