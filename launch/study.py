@@ -47,7 +47,8 @@ def study_app(cfg) -> None:
         if cfg.cell or not cfg.report:
             return
         results = study.load_cells(out, list(preset.cells))
-        speed = study_report.decode_speed(results, preset, cfg.speed_rounds, say=say, device=cfg.device)
+        speed = (study_report.decode_speed(results, preset, cfg.speed_rounds, say=say, device=cfg.device)
+                 if cfg.speed_rounds else {})
         with open(os.path.join(out, "speed.json"), "w") as f:
             json.dump(speed, f, indent=1)
         args = [shlex.quote(a) for a in sys.argv[1:] if not a.startswith("cells=")]
