@@ -67,7 +67,7 @@ def main() -> None:
     data = samples_of(test, args.max_sequences)
     s, n = base.shape, cfg.train.seq_length
     less = {b: LlamaForInference.from_checkpoint(runs[b])[0] for b in args.budgets}  # the base + its kernels
-    rank = less[args.budgets[0]].less.rank
+    rank = less[args.budgets[0]].method.rank
     # Baseline+: as many extra K+V entries as fit in the bytes of LESS's state (H and z; fp32 both), rounded down
     extra = (rank * s.head_dim + rank) // (2 * s.head_dim)
 
@@ -101,7 +101,7 @@ def engine_perplexity(model, data, count: int) -> dict:
     from dmc_train.inference.caches import teacher_forced
 
     r = incremental_metrics(model, "less", {}, teacher_forced("less", model, {}), *samples_of(data, count))
-    return {"sequences": count, "budget": model.less.budget, "ppl_parallel": r["ppl_parallel"],
+    return {"sequences": count, "budget": model.method.budget, "ppl_parallel": r["ppl_parallel"],
             "ppl_engine": r["ppl_engine"]}
 
 

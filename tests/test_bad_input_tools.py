@@ -163,7 +163,7 @@ def test_evaluation_names_an_unknown_cache_before_the_model_kind(monkeypatch):
     from dmc_train.evaluation import perplexity
     from dmc_train.inference.model import LlamaForInference
 
-    dmc_model = types.SimpleNamespace(dmc=object(), default_cache="dmc")
+    dmc_model = types.SimpleNamespace(decisions=object(), default_cache="dmc")
     monkeypatch.setattr(LlamaForInference, "from_checkpoint", staticmethod(lambda ckpt, device: (dmc_model, None)))
     cfg = types.SimpleNamespace(eval=types.SimpleNamespace(cache="nope", device="cpu"))
     with pytest.raises(InferenceError) as e:

@@ -73,7 +73,7 @@ def test_inference_and_evaluation_load_the_base_through_the_reference(runs, tmp_
 
     base, _ = LlamaForInference.from_checkpoint(str(runs / "base"))
     less, _ = LlamaForInference.from_checkpoint(str(runs / "less"))
-    assert torch.equal(base.embed, less.embed) and less.less is not None and len(less.less.layers) == 4
+    assert torch.equal(base.embed, less.embed) and less.default_cache == "less" and len(less.method.layers) == 4
     assert _same_layers(base, less)
     common = ["launch/evaluate.py", "+recipe=tiny_pretrain", "data.kind=synthetic"]
     (tmp_path / "eval_base").mkdir()

@@ -50,8 +50,8 @@ def test_training_lowers_every_layers_validation_mse_and_keeps_the_base(runs):
     for a, b in zip(base.layers, less.layers):
         assert all(torch.equal(getattr(a, key), getattr(b, key))  # the base is frozen: bit-identical
                    for key in ("qkv_t", "o_t", "gate_up_t", "down_t", "norm_in", "norm_mlp"))
-    assert less.default_cache == "less" and less.less.budget == 16 and len(less.less.layers) == 4
-    assert less.less.layers[0]["q1"].shape[-1] == 32 and less.less.rank == 8  # method.hidden=32, the default rank
+    assert less.default_cache == "less" and less.method.budget == 16 and len(less.method.layers) == 4
+    assert less.method.layers[0]["q1"].shape[-1] == 32 and less.method.rank == 8  # method.hidden=32, the default rank
     assert metas[-1]["policy"] == "h2o" and len(evals[-1]) == 4
     assert sorted((runs / "less" / "checkpoints").glob("iter_*/less_mse.png"))
 

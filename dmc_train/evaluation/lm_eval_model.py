@@ -71,7 +71,7 @@ class DMCTrainLM(TemplateLM):
         self.model, loaded = LlamaForInference.from_checkpoint(str(checkpoint), dtype, device=device or "cpu")
         self.cache_name = self.model.default_cache if cache == "auto" else str(cache)
         check_cache(self.cache_name, self.model)
-        if self.model.dmc is not None and self.cache_name != "dmc":
+        if self.model.decisions is not None and self.cache_name != "dmc":
             raise InferenceError(f"{checkpoint} is a DMC model: lm-eval scores it with its DMC cache (cache=auto or "
                                  f"dmc), not {self.cache_name!r}")
         path = tokenizer or loaded.cfg.data.tokenizer
@@ -89,7 +89,7 @@ class DMCTrainLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.forward = teacher_forced(self.cache_name, self.model, self.options)  # checks the options now
         # an eviction policy's parallel form takes one prompt length per batch (and Keyformer one horizon)
-        policy = self.model.less.policy if self.cache_name == "less" else self.cache_name
+        policy = self.model.method.policy if self.cache_name == "less" else self.cache_name
         self._policy = policy if policy in POLICIES else None
         self._engine = None
 

@@ -110,7 +110,7 @@ def evaluate_with_cache(cfg: Any, ckpt: str, meta: dict) -> dict:
     e = cfg.eval
     model, _ = LlamaForInference.from_checkpoint(ckpt, device=e.device)
     cache = model.default_cache if e.cache == "auto" else e.cache
-    if cache in CACHES and model.dmc is not None and cache not in ("dmc", "full"):
+    if cache in CACHES and model.decisions is not None and cache not in ("dmc", "full"):
         raise CheckpointError(f"eval.cache={cache} is a cache for vanilla and GQA checkpoints; {ckpt} is a DMC model "
                               f"(evaluate it with eval.cache=model)")
     check_cache(cache, model)  # an unknown name: the line lists the caches

@@ -1,7 +1,9 @@
-"""DMC's decisions at inference: what the inference model asks of a DMC (or Fixed Memory Pooling) checkpoint per
-forward and per layer, so that :class:`~dmc_train.inference.model.LlamaForInference` holds no DMC rule itself.
+"""DMC at inference: the method hook of a DMC (or Fixed Memory Pooling) checkpoint (:class:`DMCInference`, an
+:class:`~dmc_train.inference.method.InferenceMethod`) and the decisions it gives the inference model per forward and
+per layer, so that :class:`~dmc_train.inference.model.LlamaForInference` holds no DMC rule itself.
 
-    hook = DMCDecisions(settings, head_counts, head_dim, dtype, device)
+    method = DMCInference(settings)                       # the hook of method=dmc and fixed_pooling (from_saved)
+    hook = method.decisions(head_counts, head_dim, dtype, device)     # a DMCDecisions, once per model
     rule = hook.rule(positions)                           # once per forward: what every layer shares
     alpha, omega = hook.decide(channel_values, rule, positions)   # a layer's hard decisions [t, H_kv]
     hook.hand_to(call, rule)                              # or let a layer's compiled call take them itself
@@ -18,8 +20,45 @@ from typing import Any, Optional
 
 import torch
 
+from dmc_train.errors import InferenceError
+from dmc_train.inference.caches.base import TokenInfo
+from dmc_train.inference.caches.dmc import teacher_forced_dmc
+from dmc_train.inference.method import InferenceMethod
+from dmc_train.methods.configs import dmc_settings
 from dmc_train.models.dmc_settings import DMCSettings
 from kernels.dmc import decisions
+
+
+class DMCInference(InferenceMethod):
+    """DMC's (and fixed pooling's) hook: its :class:`DMCSettings` (``settings``), the ``dmc`` cache, keys rotated in
+    the cache for ``rope_order=pre``, the per-layer :class:`DMCDecisions` and the teacher-forced attention with hard
+    decisions (:func:`~dmc_train.inference.caches.dmc.teacher_forced_dmc`)."""
+
+    cache = "dmc"
+
+    def __init__(self, settings: DMCSettings):
+        self.settings = settings
+        self.rotate_in_cache = settings.rope_order == "pre"
+
+    @classmethod
+    def from_saved(cls, saved: Any, state: dict[str, torch.Tensor], shape: Any) -> "DMCInference":
+        """The settings of the saved run's ``method`` config (one-line ConfigError for a checkpoint still in DMC's
+        zero-out stage, :func:`~dmc_train.methods.configs.dmc_settings`)."""
+        return cls(dmc_settings(saved.cfg.method, shape.head_dim, saved.meta.get("step")))
+
+    def decisions(self, head_counts: tuple[int, int, int], head_dim: int, dtype: torch.dtype,
+                  device: torch.device) -> "DMCDecisions":
+        return DMCDecisions(self.settings, head_counts, head_dim, dtype, device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: TokenInfo,
+                  scale: float) -> torch.Tensor:
+        """Algorithm 1's result over the whole sequence, with ``info``'s hard decisions ``[b, H_kv, n]``."""
+        return teacher_forced_dmc(q, k, v, info, self.settings, scale)[0]
+
+    def check_tensor_parallel(self) -> None:
+        if self.settings.shared:
+            raise InferenceError("a DMC model with decisions shared across a layer's heads (variant hardc) cannot "
+                                 "run tensor-parallel (its decisions average over every head); use tensor_parallel=1")
 
 
 class DMCDecisions:

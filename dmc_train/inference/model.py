@@ -12,12 +12,15 @@ training model's on the same checkpoint (vanilla, and DMC with hard decisions).
     logits = model.decode(cache, seq_ids, tokens, positions) # [B], [B] -> [B, V], one token per sequence
     logits = model.forward_with_attention(tokens, attend)    # [b, n] -> [b, n, V], any attention per layer
 
+What the checkpoint's training method adds (DMC's decisions, LESS's kernels, the cache it needs) the model asks
+of its method hook (:class:`~dmc_train.inference.method.InferenceMethod`, ``model.method``): it names no method.
+
 A cache (or attention) that numbers positions itself (LightCache: RoPE at window positions,
 ``rope_in_cache``) receives q and k before RoPE with ``info.rotate``, and then has no length limit; a
 cache with ``prefill_chunk`` receives a prompt in chunks of that many tokens (continuation prefills).
 
 Per layer (:class:`~dmc_train.models.llama_layer.LlamaLayer`, the importer's reference layer too): RMSNorm ->
-fused q/k/v projection -> [here: (DMC: decisions from the pre-RoPE decision channel, which is then zeroed) ->
+fused q/k/v projection -> [here: (the method's decisions: DMC's from the pre-RoPE decision channel, then zeroed) ->
 RoPE (:mod:`dmc_train.models.rope`: rotate-half, as megatron-core and HF, scaled by ``model.rope_scaling``
 (``llama3``, ``linear``) with the training model's frequencies, the angles computed once per forward; for DMC
 ``rope_order=pre`` the keys reach the cache un-rotated and it rotates the accumulated ones) -> the cache's
@@ -39,17 +42,14 @@ import torch
 from dmc_train.config import RopeScalingConfig, kv_groups, rope_scaling_of
 from dmc_train.distributed import inference_device, without_cpu_compat_mode
 from dmc_train.errors import InferenceError
-from dmc_train.inference.caches import KVCache, TokenInfo, causal_attention, teacher_forced_dmc
+from dmc_train.inference.caches import KVCache, TokenInfo
 from dmc_train.inference.caches.base import HeadsFirst
-from dmc_train.inference.caches.less import LESSWeights
-from dmc_train.inference.dmc_decisions import DMCDecisions
-from dmc_train.models.dmc_settings import DMCSettings
+from dmc_train.inference.method import InferenceMethod
 from dmc_train.models.llama_layer import LlamaLayer
 from dmc_train.models.rope import rope, rope_inv_freq, rope_rotation, rope_tables
 from dmc_train.policies import Scorer
 from dmc_train.policies.parallel import PolicyRun, run_policy
 from kernels.layer import rms_norm_matmul
-from kernels.less import eviction_masks, less_attention, phi_k, phi_q
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,19 +102,21 @@ def random_weights(shape: ModelShape, seed: int = 0, std: float = 0.2) -> dict[s
 
 
 class LlamaForInference:
-    """A Llama (optionally DMC) model for generation; weights in HF ``LlamaForCausalLM`` names."""
+    """A Llama model for generation, with its training method's hook; weights in HF ``LlamaForCausalLM`` names."""
 
-    def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], dmc: Optional[DMCSettings] = None,
-                 dtype: torch.dtype = torch.float32, less: Optional[LESSWeights] = None, group: Any = None,
-                 device: str | torch.device | None = None):
-        """``group``: tensor parallelism's process group when ``shape`` and ``weights`` are one rank's shard
+    def __init__(self, shape: ModelShape, weights: dict[str, torch.Tensor], method: Optional[InferenceMethod] = None,
+                 dtype: torch.dtype = torch.float32, group: Any = None, device: str | torch.device | None = None):
+        """``method``: what the checkpoint's training method adds (:mod:`~dmc_train.inference.method`: DMC's
+        :class:`~dmc_train.inference.dmc_decisions.DMCInference`, LESS's
+        :class:`~dmc_train.inference.caches.less.LESSWeights`); None: the plain model's. ``group``: tensor
+        parallelism's process group when ``shape`` and ``weights`` are one rank's shard
         (:mod:`~dmc_train.inference.tensor_parallel`); the attention output and MLP down projections are then
         all-reduced over it. None: the whole model (no collective). ``device``: where the weights, every table and
         every tensor a forward creates live (default: the weights' device); checked by
         :func:`~dmc_train.distributed.inference_device` (one-line errors for a GPU that is not there, fp16 on CPU)."""
         device = inference_device(device if device is not None else next(iter(weights.values())).device, dtype)
-        self.shape, self.dmc, self.dtype, self.group, self.device = shape, dmc, dtype, group, device
-        self.less = None if less is None else less.to(device)
+        self.shape, self.dtype, self.group, self.device = shape, dtype, group, device
+        self.method = InferenceMethod() if method is None else method.to(device)
         s = shape
         self.scale = 1.0 / math.sqrt(s.head_dim)
 
@@ -136,65 +138,60 @@ class LlamaForInference:
         self.layers = [LlamaLayer(i, w, s.head_dim, s.norm_eps) for i in range(s.num_layers)]
         self.inv_freq = rope_inv_freq(s.head_dim, s.rope_base, s.rope_scaling).to(device)
         self.rope = functools.partial(rope, inv_freq=self.inv_freq)  # rope(x [..., d], positions): the model's RoPE
-        self.rotate_in_cache = dmc is not None and dmc.rope_order == "pre"
         self.head_counts = self.layers[0].heads  # (H, H_kv, H_kv) of every layer (a tensor-parallel rank's)
-        # DMC's decisions and the masks of its decision channel: the method's hook, asked per forward and layer
-        self.decisions = None if dmc is None else DMCDecisions(dmc, self.head_counts, s.head_dim, dtype, device)
-        self.keep, self.rope_masks = (None, (None, None)) if dmc is None else (self.decisions.keep,
-                                                                                self.decisions.rope_masks)
+        # the method's per-layer decisions (DMC's) and the masks of their decision channel, asked per forward and layer
+        self.decisions = self.method.decisions(self.head_counts, s.head_dim, dtype, device)
+        self.keep, self.rope_masks = (None, (None, None)) if self.decisions is None else (self.decisions.keep,
+                                                                                          self.decisions.rope_masks)
 
     @property
     def default_cache(self) -> str:
-        """The cache this model needs unless told otherwise: ``dmc`` for DMC decisions, ``less`` for LESS
-        kernels, else ``full``."""
-        return "dmc" if self.dmc is not None else "less" if self.less is not None else "full"
+        """The cache this model needs unless told otherwise: its method's (``dmc`` for DMC decisions, ``less`` for
+        LESS kernels, else ``full``)."""
+        return self.method.cache
 
     # -- loading ----------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, checkpoint: str, dtype: Optional[str] = None, tensor_parallel: int = 1,
                         device: str | torch.device | None = None) -> tuple["LlamaForInference", Any]:
         """A checkpoint of this project (any saved TP/PP layout) -> ``(model, saved)``; ``saved`` is the
-        :class:`~dmc_train.training.model_state.SavedRun` (config, checkpoint, meta). DMC and Fixed Memory
-        Pooling checkpoints get their :class:`DMCSettings`. The weights are read from the files in this
+        :class:`~dmc_train.training.model_state.SavedRun` (config, checkpoint, meta). The model's method hook is the
+        one the training method registry gives for the checkpoint's method (:func:`dmc_train.methods.inference_hook`:
+        DMC's settings, LESS's kernels taken out of the state). The weights are read from the files in this
         process: no megatron model; at ``tensor_parallel=1`` no process group and no environment variable set.
         ``tensor_parallel > 1`` (under torchrun, one process per rank): this rank's shard, over a gloo group.
         ``device``: where the model runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``; default CPU: the files are read
         there)."""
         from dmc_train.inference import tensor_parallel as tp
-        from dmc_train.methods import METHODS
-        from dmc_train.methods.configs import dmc_settings
+        from dmc_train.methods import inference_hook
         from dmc_train.models.llama_weights import megatron_to_hf
         from dmc_train.training.model_state import read_model_state
 
         device = inference_device(device if device is not None else "cpu")  # a GPU that is not there: before reading
         state, loaded = read_model_state(checkpoint)
         shape = ModelShape.from_config(loaded.cfg.model)
-        dmc, less, cache = None, None, METHODS[loaded.cfg.method.name].cache  # the method declares its cache
-        if cache == "less":  # the method's own modules, beside the Llama weights
-            less = LESSWeights.pop_from(state, loaded.cfg.method, loaded.cfg.train.seq_length)
+        method = inference_hook(loaded.cfg).from_saved(loaded, state, shape)  # its own modules out of the state
         weights = megatron_to_hf(state, shape.num_heads, shape.num_kv_heads)
-        if cache == "dmc":
-            dmc = dmc_settings(loaded.cfg.method, shape.head_dim, loaded.meta.get("step"))
         torch_dtype = DTYPES[dtype or loaded.cfg.train.precision]
-        tp.check(shape, tensor_parallel, dmc, less)
+        tp.check(shape, tensor_parallel, method)
         if tensor_parallel > 1 and device.type != "cpu":
             raise InferenceError(f"tensor_parallel={tensor_parallel} runs on CPU processes (gloo); on a GPU use "
                                  f"tensor_parallel=1")
         rank, group = tp.start(tensor_parallel)
         if group is not None:
             weights, shape = tp.shard_weights(weights, shape, rank, tensor_parallel)
-        return cls(shape, weights, dmc, torch_dtype, less, group, device), loaded
+        return cls(shape, weights, method, torch_dtype, group, device), loaded
 
     # -- forward ----------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor],
              raw_qk: bool = False, logits_at: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[b, n, V]`` of ``tokens [b, n]`` at ``positions [b, n]``; ``attend(layer, q, k, v, info)``
-        takes ``q [b, H, n, d]``, ``k, v [b, H_kv, n, d]`` and ``info`` (positions ``[b, n]``, DMC's decisions ``[b,
-        H_kv, n]``) and returns ``[b, H, n, d_v]``; ``raw_qk``: q and k reach it before RoPE, with ``info.rotate``.
-        ``logits_at [m]``: only the logits ``[b, m, V]`` of these tokens (indices along n; the LM head runs on
-        them alone)."""
+        takes ``q [b, H, n, d]``, ``k, v [b, H_kv, n, d]`` and ``info`` (positions ``[b, n]``, the method's decisions
+        ``[b, H_kv, n]``) and returns ``[b, H, n, d_v]``; ``raw_qk``: q and k reach it before RoPE, with
+        ``info.rotate``. ``logits_at [m]``: only the logits ``[b, m, V]`` of these tokens (indices along n; the LM
+        head runs on them alone)."""
         b, n = tokens.shape
-        rotate = self.rope if self.rotate_in_cache or raw_qk else None
+        rotate = self.rope if self.method.rotate_in_cache or raw_qk else None
 
         def attention(i, q, k, v, alpha, omega):  # rows [b n, heads, d] -> [b, heads, n, d] and back
             alpha, omega = (None if t is None else t.view(b, n, -1).transpose(1, 2) for t in (alpha, omega))
@@ -211,14 +208,15 @@ class LlamaForInference:
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Callable[..., torch.Tensor],
                 raw_qk: bool = False, compiled: Optional[Callable[[int], Any]] = None) -> torch.Tensor:
         """The hidden states ``[t, hidden]`` after the last layer of ``tokens [t]`` at ``positions [b, n]`` (rows =
-        tokens, ``t = b n``). Per layer: the heads (:meth:`LlamaLayer.attention_input`), DMC's decisions from them
-        before RoPE (the method's hook, :meth:`DMCDecisions.decide`), q and k rotated (:meth:`_split_heads`), then
-        ``attention(layer, q [t, H, d], k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega) -> [t, H d_v]`` (``alpha``,
-        ``omega [t, H_kv]``; None without DMC) and the rest of the layer. What every layer shares (RoPE tables, the
-        decision rule) is computed once, here. ``compiled(layer)``: the layer's attention as a compiled function (a
-        decode step's, ``KVCache.compiled_attention``) or None; with one the whole layer is one call
-        (:meth:`LlamaLayer.decode_with`), or two with DMC's decisions between, or the cache's own work on the heads
-        (a ``HeadsFirst``: an eviction policy whose victims read the query) (:meth:`LlamaLayer.attend_output_with`)."""
+        tokens, ``t = b n``). Per layer: the heads (:meth:`LlamaLayer.attention_input`), the method's decisions from
+        them before RoPE (its hook ``self.decisions``: DMC's :meth:`DMCDecisions.decide`), q and k rotated
+        (:meth:`_split_heads`), then ``attention(layer, q [t, H, d], k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega)
+        -> [t, H d_v]`` (``alpha``, ``omega [t, H_kv]``; None without decisions) and the rest of the layer. What every
+        layer shares (RoPE tables, the decision rule) is computed once, here. ``compiled(layer)``: the layer's
+        attention as a compiled function (a decode step's, ``KVCache.compiled_attention``) or None; with one the whole
+        layer is one call (:meth:`LlamaLayer.decode_with`), or two with DMC's decisions between, or the cache's own
+        work on the heads (a ``HeadsFirst``: an eviction policy whose victims read the query)
+        (:meth:`LlamaLayer.attend_output_with`)."""
         split, rope_in_input = self._split_heads(positions, raw_qk)
         all_reduce = None if self.group is None else self._all_reduce
         hook = self.decisions
@@ -254,7 +252,7 @@ class LlamaForInference:
             if keep is None:
                 return (lambda heads: heads.split((hq, hk, hv), 1)), None
             return (lambda heads: (*(heads[:, : hq + hk] * keep).split((hq, hk), 1), heads[:, hq + hk:])), None
-        if self.rotate_in_cache:  # DMC rope_order=pre: the query heads alone, with the query heads' masks
+        if self.method.rotate_in_cache:  # DMC rope_order=pre: the query heads alone, with the query heads' masks
             rotate = rope_rotation(positions.reshape(-1, 1), self.inv_freq, self.dtype, keep,
                                    None if keep is None else self.rope_masks[1][0])
             if keep is None:
@@ -281,30 +279,27 @@ class LlamaForInference:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` without a cache (DMC: hard decisions)."""
+        """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` without a cache: each layer's attention is the
+        method's (:meth:`InferenceMethod.attention`: causal; DMC: with hard decisions)."""
         tokens = self.check_tokens(tokens)
-        positions = self._positions(tokens)
-
-        def attend(layer, q, k, v, info):
-            if self.dmc is None:
-                return causal_attention(q, k, v, self.scale)
-            return teacher_forced_dmc(q, k, v, info, self.dmc, self.scale)[0]
-
-        return self._run(tokens, positions, attend)
+        attention, scale = self.method.attention, self.scale
+        return self._run(tokens, self._positions(tokens),
+                         lambda layer, q, k, v, info: attention(q, k, v, info, scale))
 
     @torch.no_grad()
     def forward_with_policy(self, tokens: torch.Tensor, scorer: Scorer, budget: int, prompt_len: int = 1,
                             horizon: Optional[int] = None, runs: Optional[list[PolicyRun]] = None,
-                            less: Optional[LESSWeights] = None) -> torch.Tensor:
+                            with_evicted: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
         """Teacher-forced logits ``[b, n, V]`` of ``tokens [b, n]`` under an eviction policy: what the engine
         computes when the first ``prompt_len`` tokens are the prompt and the rest are decoded one by one
         with ``budget`` entries per (sequence, layer, KV head) (the policy's parallel form,
         :func:`~dmc_train.policies.parallel.run_policy`). ``runs``: a list that receives each layer's
-        :class:`PolicyRun` (what every query saw and when each entry was evicted). ``less``: LESS's kernels;
-        the evicted pairs then enter its state (:func:`kernels.less.less_attention`, the LESS cache's
-        parallel form). A policy with its own parallel form (``parallel_attention``: LightCache) runs that
-        instead; ``budget`` is then unused."""
-        if self.dmc is not None:
+        :class:`PolicyRun` (what every query saw and when each entry was evicted). ``with_evicted``: a layer's
+        attention that also reads the pairs the policy evicted, ``with_evicted(layer, q, k, v, evicted_at, scale) ->
+        [b, H, n, d_v]`` (``evicted_at [b, H_kv, n]``, :class:`PolicyRun`'s; a LESS model's
+        ``model.method.attention_with_evicted``: they enter its state). A policy with its own parallel form
+        (``parallel_attention``: LightCache) runs that instead; ``budget`` is then unused."""
+        if self.decisions is not None:
             raise InferenceError(f"the {scorer.name!r} policy runs on vanilla and GQA models, not on DMC ones")
         if hasattr(scorer, "parallel_attention"):  # a policy with its own parallel form on raw q, k (LightCache)
             return self.forward_with_attention(tokens, scorer.parallel_attention, raw_qk=True)
@@ -315,10 +310,7 @@ class LlamaForInference:
             run = run_policy(scorer, q, k, v, budget, layer, prompt_len, horizon)
             if runs is not None:
                 runs.append(run)
-            if less is None:
-                return run.out
-            w = less.layers[layer]
-            return less_attention(q, k, v, *eviction_masks(run.evicted_at), phi_q(q, w), phi_k(k, w), self.scale)
+            return run.out if with_evicted is None else with_evicted(layer, q, k, v, run.evicted_at, self.scale)
 
         return self._run(tokens, positions, attend)
 
@@ -375,7 +367,7 @@ class LlamaForInference:
         sequences, so q, k, v reach ``cache.decode`` in its layout ``[B, heads, d]`` as they are computed."""
         self.check_cache_type(cache)
         tokens, positions = tokens.to(self.device), positions.to(self.device)
-        rotate = self.rope if self.rotate_in_cache or cache.rope_in_cache else None
+        rotate = self.rope if self.method.rotate_in_cache or cache.rope_in_cache else None
 
         def attention(layer, q, k, v, alpha, omega):  # q contiguous: a cache views it as [B H_kv, G, d]
             info = TokenInfo(positions, alpha, omega, rotate)
@@ -413,6 +405,6 @@ class LlamaForInference:
         return tokens.to(self.device)
 
     def check_cache_type(self, cache: type[KVCache] | KVCache) -> None:
-        if cache.needs_decisions and self.dmc is None:
+        if cache.needs_decisions and self.decisions is None:
             raise InferenceError(f"the {cache.name!r} cache needs a DMC model, and this checkpoint has no DMC "
                                  f"decisions (its method is not dmc or fixed_pooling); use cache='full'")

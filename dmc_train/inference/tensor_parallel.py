@@ -25,8 +25,9 @@ from dmc_train.errors import InferenceError
 TP_CACHES = ("full", "dmc")
 
 
-def check(shape, tp: int, dmc=None, less=None) -> None:
-    """One-line errors for a model that cannot be split ``tp`` ways."""
+def check(shape, tp: int, method) -> None:
+    """One-line errors for a model of ``shape`` with the method hook ``method`` (an
+    :class:`~dmc_train.inference.method.InferenceMethod`) that cannot be split ``tp`` ways."""
     if tp < 1:
         raise InferenceError(f"tensor_parallel={tp} must be >= 1")
     if tp == 1:
@@ -35,11 +36,7 @@ def check(shape, tp: int, dmc=None, less=None) -> None:
                     ("MLP hidden size", shape.ffn_hidden_size)):
         if n % tp:
             raise InferenceError(f"tensor_parallel={tp} does not divide the model's {n} {what}; pick a divisor")
-    if dmc is not None and dmc.shared:
-        raise InferenceError("a DMC model with decisions shared across a layer's heads (variant hardc) cannot run "
-                             "tensor-parallel (its decisions average over every head); use tensor_parallel=1")
-    if less is not None:
-        raise InferenceError("a LESS checkpoint cannot run tensor-parallel; use tensor_parallel=1")
+    method.check_tensor_parallel()
 
 
 def shard_weights(weights: dict[str, torch.Tensor], shape, rank: int, tp: int):

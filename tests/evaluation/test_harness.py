@@ -32,8 +32,8 @@ CASES = [("full", "full", {}), ("dmc_exact", "dmc", {}), ("lightcache", "lightca
 
 @pytest.mark.parametrize("variant, cache, options", CASES, ids=[c[0] for c in CASES])
 def test_teacher_forced_and_incremental_perplexity_agree(variant, cache, options):
-    model = LlamaForInference(SHAPE, WEIGHTS, VARIANTS.get(variant), torch.float32,
-                              less=less_weights() if cache == "less" else None)
+    model = LlamaForInference(SHAPE, WEIGHTS, less_weights() if cache == "less" else VARIANTS.get(variant),
+                              torch.float32)
     data = dataset()
     r = evaluate_cache(model, data, cache, options, prompt_len=4, batch_size=2, incremental_sequences=3,
                        kv_budget_seqs=2)
@@ -52,7 +52,7 @@ def test_teacher_forced_and_incremental_perplexity_agree(variant, cache, options
         assert r["compression"] == pytest.approx(gqa)
         assert r["entry_compression"] == 1
     if cache in POLICIES or cache == "less":  # the budget per row at the end, and the state beside it
-        budget = model.less.budget if cache == "less" else BUDGET
+        budget = model.method.budget if cache == "less" else BUDGET
         assert inc["entries"] == budget * rows
         assert r["entry_compression"] == pytest.approx(N / budget)
         assert r["compression"] < gqa * N / budget  # the state costs something

@@ -3,21 +3,24 @@
 import pytest
 import torch
 
+from dmc_train.inference.dmc_decisions import DMCInference
 from dmc_train.inference.model import LlamaForInference, ModelShape, random_weights
 from dmc_train.models.dmc_settings import DMCSettings
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_heads=4, num_kv_heads=2, vocab_size=50,
                    max_positions=128)
-# init_offset 0 with these random weights: about half the decisions merge, so every test sees both kinds
+# the models' method hooks; init_offset 0 with these random weights: about half the decisions merge, so every test
+# sees both kinds
 VARIANTS = {
     "full": None,
-    "dmc_exact": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0),
-    "dmc_window": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, accumulation="window", window=3),
-    "dmc_hardc": DMCSettings(channel=0, init_offset=0.0, variant="hardc"),
-    "dmc_pre": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre"),
-    "dmc_pre_window": DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre",
-                                  accumulation="window", window=3),
-    "fixed_pooling": DMCSettings(channel=None, pool=3),
+    "dmc_exact": DMCInference(DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0)),
+    "dmc_window": DMCInference(DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, accumulation="window",
+                                           window=3)),
+    "dmc_hardc": DMCInference(DMCSettings(channel=0, init_offset=0.0, variant="hardc")),
+    "dmc_pre": DMCInference(DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre")),
+    "dmc_pre_window": DMCInference(DMCSettings(channel=SHAPE.head_dim - 1, init_offset=0.0, rope_order="pre",
+                                               accumulation="window", window=3)),
+    "fixed_pooling": DMCInference(DMCSettings(channel=None, pool=3)),
 }
 
 

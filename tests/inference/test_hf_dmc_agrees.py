@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmc_train.conversion.hf_dmc import modeling_dmc_llama as dmc_hf
+from dmc_train.inference.dmc_decisions import DMCInference
 from dmc_train.inference.model import LlamaForInference, ModelShape
 from dmc_train.models.dmc_settings import DMCSettings
 
@@ -27,7 +28,7 @@ def test_transformers_file_and_engine_model_agree(rope_order, accumulation, opti
                        norm_eps=config.rms_norm_eps, rope_base=10000.0, max_positions=128)
     settings = DMCSettings(channel=config.dmc_decision_channel, init_offset=0.0, accumulation=accumulation,
                            window=3, rope_order=rope_order, **options)
-    ours = LlamaForInference(shape, hf.state_dict(), settings)
+    ours = LlamaForInference(shape, hf.state_dict(), DMCInference(settings))
     ids = torch.randint(0, 64, (2, 20))
     with torch.no_grad():
         full = hf(ids, use_cache=False).logits

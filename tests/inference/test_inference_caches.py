@@ -9,7 +9,10 @@ from dmc_train.errors import OutOfPages
 from dmc_train.evaluation.incremental import teacher_forced_decode
 from dmc_train.inference.caches import DMCCache, FullCache, build_cache
 from dmc_train.inference.caches.base import KVCache
+from dmc_train.inference.dmc_decisions import DMCInference
+from dmc_train.inference.model import LlamaForInference, random_weights
 from dmc_train.inference.pool import PagePool
+from dmc_train.models.dmc_settings import DMCSettings
 from kernels.backend import set_backend
 from tests.inference.conftest import SHAPE
 
@@ -23,9 +26,9 @@ def new_cache(model, num_pages=256, page_size=16, policy=None):
     if policy is not None:
         name, _, schedule = policy.partition(":")
         return build_cache(name, pool, model, {"budget": 24, "schedule": schedule or "decode"})
-    if model.dmc is None:
+    if model.decisions is None:
         return FullCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale)
-    return DMCCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale, model.dmc)
+    return DMCCache(pool, SHAPE.num_layers, SHAPE.num_kv_heads, model.scale, model.method.settings)
 
 
 def capture_decisions(model):
@@ -81,10 +84,10 @@ def test_parallel_prefill_writes_what_token_by_token_updates_write(make_model, v
         assert parallel.open_tokens[a] == stepwise.open_tokens[b]
 
 
-def test_window_accumulation_drops_the_oldest_token_of_a_long_segment(make_model):
+def test_window_accumulation_drops_the_oldest_token_of_a_long_segment(device):
     """Fixed pooling of 3 with a window of 2: the slot of tokens (0, 1, 2) averages only 1 and 2."""
-    model = make_model("fixed_pooling")
-    model.dmc = type(model.dmc)(channel=None, pool=3, accumulation="window", window=2)
+    model = LlamaForInference(SHAPE, random_weights(SHAPE), DMCInference(
+        DMCSettings(channel=None, pool=3, accumulation="window", window=2)), device=device)
     seq = torch.randint(0, SHAPE.vocab_size, (3,), generator=torch.Generator().manual_seed(4))
     cache = new_cache(model)
     keys = []
@@ -303,7 +306,7 @@ def test_a_layer_in_one_compiled_call_equals_its_three_calls(make_model, variant
         for a, b in zip(fused.rows[s].flatten().tolist(), three.rows[s].flatten().tolist()):
             for x, y in zip(fused.pool.read(a), three.pool.read(b)):
                 same(x, y, 1e-5)
-    if model.dmc is not None:
+    if model.decisions is not None:
         same(fused.open_state, three.open_state, 1e-5)
         assert torch.equal(fused.open_tokens, three.open_tokens)
     if policy is not None:

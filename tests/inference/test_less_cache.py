@@ -34,11 +34,11 @@ def less_weights(policy="h2o", scale_d=1.0, seed=0, options=None) -> LESSWeights
 
 
 def less_model(**kw) -> LlamaForInference:
-    return LlamaForInference(SHAPE, random_weights(SHAPE), None, torch.float32, less=less_weights(**kw))
+    return LlamaForInference(SHAPE, random_weights(SHAPE), less_weights(**kw), torch.float32)
 
 
 def scorer_of(model):
-    w = model.less
+    w = model.method
     return build_scorer(w.policy, {"budget": w.budget, **w.options}, SHAPE.head_dim,
                         SHAPE.num_heads // SHAPE.num_kv_heads, model.scale)
 
@@ -55,7 +55,7 @@ def test_decoding_equals_the_parallel_form(policy, schedule):
     got, _ = decode_through_cache(model, cache, sequences, prompts)
     for i, (seq, p) in enumerate(zip(sequences, prompts)):
         want = model.forward_with_policy(seq[None], scorer_of(model), BUDGET, p, horizon=len(seq) - p,
-                                         less=model.less)[0]
+                                         with_evicted=model.method.attention_with_evicted)[0]
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
         plain = model.forward_with_policy(seq[None], scorer_of(model), BUDGET, p, horizon=len(seq) - p)[0]
         if schedule == "decode" or p > 2:  # something was evicted: the state changes the outputs
@@ -69,16 +69,16 @@ def test_the_state_is_the_sum_over_every_evicted_pair():
     decode_through_cache(model, cache, [seq[:-1]], [6])  # the last token is never fed
     captured = {}
 
-    def attend(layer, q, k, v, info):  # the LESS parallel form, as forward_with_policy(less=...)
+    def attend(layer, q, k, v, info):  # the LESS parallel form, as forward_with_policy(with_evicted=...)
         evicted_at = run_policy(scorer_of(model), q, k, v, BUDGET, layer, prompt_len=6).evicted_at
         captured[layer] = (k, v, evicted_at)
-        w = model.less.layers[layer]
+        w = model.method.layers[layer]
         return less_attention(q, k, v, *eviction_masks(evicted_at), phi_q(q, w), phi_k(k, w), model.scale)
 
     model._run(seq[None, :-1], torch.arange(len(seq) - 1)[None], attend)
     for layer, (k, v, evicted_at) in captured.items():
         gone = (evicted_at[0] >= 0).float()  # [H_kv, n]: evicted by the end
-        features = phi_k(k, model.less.layers[layer])[0] * gone[..., None]  # [H_kv, n, rank]
+        features = phi_k(k, model.method.layers[layer])[0] * gone[..., None]  # [H_kv, n, rank]
         rows = cache.rows[0][layer]
         torch.testing.assert_close(cache.H[rows], features.transpose(1, 2) @ v[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(cache.z[rows], features.sum(1), rtol=1e-4, atol=1e-5)

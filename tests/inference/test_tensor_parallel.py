@@ -8,6 +8,9 @@ import torch
 
 from dmc_train.errors import InferenceError
 from dmc_train.inference import tensor_parallel as tp
+from dmc_train.inference.caches.less import LESSWeights
+from dmc_train.inference.dmc_decisions import DMCInference
+from dmc_train.inference.method import InferenceMethod
 from dmc_train.inference.model import ModelShape, random_weights
 from dmc_train.models.dmc_settings import DMCSettings
 from tests.helpers import run, run_json
@@ -31,14 +34,17 @@ def test_shards_are_the_heads_and_mlp_parts_of_training():
 
 def test_one_line_errors():
     with pytest.raises(InferenceError, match="tensor_parallel=4 does not divide the model's 2 KV heads"):
-        tp.check(SHAPE, 4)
+        tp.check(SHAPE, 4, InferenceMethod())
     with pytest.raises(InferenceError, match="variant hardc"):
-        tp.check(SHAPE, 2, DMCSettings(channel=0, variant="hardc"))
+        tp.check(SHAPE, 2, DMCInference(DMCSettings(channel=0, variant="hardc")))
+    with pytest.raises(InferenceError, match="a LESS checkpoint cannot run tensor-parallel"):
+        tp.check(SHAPE, 2, LESSWeights("h2o", 8))
     with pytest.raises(InferenceError, match="needs 2 processes, one per rank, and this is a single process: run "
                                              "torchrun --nproc_per_node=2"):
         tp.start(2)
     assert tp.start(1) == (0, None)
-    tp.check(SHAPE, 1, DMCSettings(channel=0, variant="hardc"), less=object())  # TP=1 runs every model
+    for method in (DMCInference(DMCSettings(channel=0, variant="hardc")), LESSWeights("h2o", 8)):
+        tp.check(SHAPE, 1, method)  # TP=1 runs every model
 
 
 @pytest.fixture(scope="module")

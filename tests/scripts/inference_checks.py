@@ -37,7 +37,8 @@ def main(out_path: str, *run_dirs: str) -> None:
         train = training_logits(loaded.model, tokens)  # [b, n, V]
         forward = model.forward(tokens)
         pool = PagePool(512, 16, s.head_dim, 8 * s.num_layers * s.num_kv_heads, s.max_positions)
-        cache = (DMCCache(pool, s.num_layers, s.num_kv_heads, model.scale, model.dmc) if model.dmc is not None
+        cache = (DMCCache(pool, s.num_layers, s.num_kv_heads, model.scale, model.method.settings)
+                 if model.decisions is not None
                  else FullCache(pool, s.num_layers, s.num_kv_heads, model.scale))
         steps = [[model.prefill(cache, i, tokens[i, :p])] for i, (p) in enumerate(PROMPTS) if cache.add(i) is None]
         for t in range(min(PROMPTS), LENGTHS):

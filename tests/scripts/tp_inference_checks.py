@@ -55,6 +55,7 @@ def main(out_path: str, *run_dirs: str) -> None:
     import torch.distributed as dist
 
     from dmc_train.inference import tensor_parallel as tp
+    from dmc_train.inference.dmc_decisions import DMCInference
     from dmc_train.inference.model import LlamaForInference, ModelShape, random_weights
     from dmc_train.models.dmc_settings import DMCSettings
 
@@ -64,10 +65,11 @@ def main(out_path: str, *run_dirs: str) -> None:
     weights = random_weights(shape)
     local, local_shape = tp.shard_weights(weights, shape, rank, 2)
     res = {}
-    for name, dmc in (("full", None), ("dmc", DMCSettings(channel=shape.head_dim - 1, init_offset=0.0)),
-                      ("dmc_pre", DMCSettings(channel=shape.head_dim - 1, init_offset=0.0, rope_order="pre"))):
-        res[name] = compare(LlamaForInference(shape, weights, dmc), LlamaForInference(local_shape, local, dmc,
-                                                                                      group=group))
+    c = shape.head_dim - 1
+    for name, method in (("full", None), ("dmc", DMCInference(DMCSettings(channel=c, init_offset=0.0))),
+                         ("dmc_pre", DMCInference(DMCSettings(channel=c, init_offset=0.0, rope_order="pre")))):
+        res[name] = compare(LlamaForInference(shape, weights, method),
+                            LlamaForInference(local_shape, local, method, group=group))
     for run_dir in run_dirs:
         whole, _ = LlamaForInference.from_checkpoint(run_dir)
         shard, _ = LlamaForInference.from_checkpoint(run_dir, tensor_parallel=2)

@@ -9,9 +9,10 @@ the one registry that picks them by name (:data:`CACHES`, :func:`build_cache`).
     lightcache every token kept, older ones compressed in the feature dimension, a selected window
                attended at its own positions (``lightcache.py``; vanilla and GQA checkpoints)
 
-A model declares the cache it needs (``LlamaForInference.default_cache``: ``dmc`` for DMC
-checkpoints, else ``full``); ``cache="auto"`` takes it. An entry's ``build(pool, model, options)``
-makes the cache from the model (shape, scale, DMC settings) and the user's options.
+A model's method hook declares the cache it needs (``LlamaForInference.default_cache``: ``dmc`` for DMC
+checkpoints, ``less`` for LESS ones, else ``full``); ``cache="auto"`` takes it. An entry's ``build(pool, model,
+options)`` makes the cache from the model (shape, scale, ``model.method``: DMC's settings, LESS's kernels) and the
+user's options.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class CacheEntry:
     prompt_len=1, horizon=None) -> logits [b, n, V]``: the cache's teacher-forced (parallel) form, what the
     engine computes when the first ``prompt_len`` tokens are prefilled and the rest decoded one by one with
     this cache (``horizon``: the tokens each sequence generates, default the rest: Keyformer's schedule);
-    ``dmc``: True = DMC checkpoints only, False = not on them; ``needs``: the model attribute it cannot run
-    without (``less``: a LESS checkpoint's kernels)."""
+    ``dmc``: True = DMC checkpoints only (a model with decisions), False = not on them; ``needs``: the cache the
+    model's method must declare (``less``: a LESS checkpoint, whose hook holds the kernels)."""
 
     build: Callable[..., KVCache]
     parallel: Callable[..., Callable[[Any, int], Any]]
@@ -58,7 +59,7 @@ def _full(pool, model, options):
 def _dmc(pool, model, options):
     _no_options("dmc", options)
     s = model.shape
-    return DMCCache(pool, s.num_layers, s.num_kv_heads, model.scale, settings=model.dmc)
+    return DMCCache(pool, s.num_layers, s.num_kv_heads, model.scale, settings=model.method.settings)
 
 
 def _own_forward(name: str) -> Callable[..., Callable]:
@@ -100,7 +101,7 @@ def _policy_parallel(name: str) -> Callable[..., Callable]:
 def _less_scorer(model, options):
     """A LESS checkpoint's policy at the budget it was trained at (entries); ``options`` may change them (a LESS
     trained at one budget runs at another: the paper's transfer rows)."""
-    w = model.less
+    w = model.method
     return _scorer(w.policy, model, {**w.options, "budget": w.budget, **options})
 
 
@@ -108,13 +109,14 @@ def _less(pool, model, options):
     s = model.shape
     scorer = _less_scorer(model, options)
     return LESSCache(pool, s.num_layers, s.num_kv_heads, model.scale, scorer, _engine_budget(scorer),
-                     s.max_positions, model.less)
+                     s.max_positions, model.method)
 
 
 def _less_parallel(model, options):
     scorer = _less_scorer(model, options)
     return lambda tokens, prompt_len=1, horizon=None: model.forward_with_policy(
-        tokens, scorer, scorer.budget(tokens.shape[1]), prompt_len, horizon, less=model.less)
+        tokens, scorer, scorer.budget(tokens.shape[1]), prompt_len, horizon,
+        with_evicted=model.method.attention_with_evicted)
 
 
 def _lightcache_parallel(model, options):
@@ -135,13 +137,13 @@ def check_cache(name: str, model: Any) -> None:
     """One-line :class:`InferenceError` when ``name`` is unknown or does not fit ``model``."""
     if name not in CACHES:
         raise InferenceError(f"unknown cache {name!r}; expected auto or one of {', '.join(CACHES)}")
-    if CACHES[name].dmc and model.dmc is None:
+    if CACHES[name].dmc and model.decisions is None:
         raise InferenceError(f"the {name!r} cache needs a DMC model, and this checkpoint has no DMC decisions (its "
                              f"method is not dmc or fixed_pooling); use cache='full' or an eviction policy")
-    if CACHES[name].needs and getattr(model, CACHES[name].needs, None) is None:
+    if CACHES[name].needs and model.method.cache != CACHES[name].needs:
         raise InferenceError(f"the {name!r} cache needs a checkpoint trained with method={name} (its kernels); "
                              f"this one has none: use cache='auto' or an eviction policy")
-    if name in POLICIES and model.dmc is not None:
+    if name in POLICIES and model.decisions is not None:
         raise InferenceError(f"the {name!r} policy runs on vanilla and GQA checkpoints; this one is a DMC model, "
                              f"which compresses with its own cache: use cache='dmc' (or auto)")
 

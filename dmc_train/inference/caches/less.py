@@ -12,7 +12,7 @@ with the paged attention's log-sum-exp): each query head reads its KV head's sta
 ``phi_q``. The prompt is prefilled with full attention as usual; the pairs the prompt's compression drops
 enter the state at once. State per row: ``H [rank, d_v]`` and ``z [rank]`` fp32, beside the policy's.
 
-The kernels' weights come from a LESS checkpoint (:class:`LESSWeights`, loaded with the model).
+The kernels' weights come from a LESS checkpoint (:class:`LESSWeights`, LESS's method hook, loaded with the model).
 """
 
 from __future__ import annotations
@@ -23,21 +23,24 @@ from typing import Any
 
 import torch
 
+from dmc_train.errors import InferenceError
 from dmc_train.inference.caches.evicting import EvictingCache
+from dmc_train.inference.method import InferenceMethod
 from dmc_train.policies import Budget
-from kernels.less import less_combine, phi_k, phi_q
+from kernels.less import eviction_masks, less_attention, less_combine, phi_k, phi_q
 
 
 @dataclass
-class LESSWeights:
-    """What a LESS checkpoint adds at inference: the policy it was trained with (``policy``, ``budget`` in
-    entries, ``options``) and per layer the kernels' tensors (``layers[i]``: ``q1 [H, d, hidden]``, ...,
-    ``d2 [H_kv, rank]``, the names of :class:`~dmc_train.models.less.kernels.LESSKernels`)."""
+class LESSWeights(InferenceMethod):
+    """LESS's method hook: what a LESS checkpoint adds at inference, the policy it was trained with (``policy``,
+    ``budget`` in entries, ``options``) and per layer the kernels' tensors (``layers[i]``: ``q1 [H, d, hidden]``, ...,
+    ``d2 [H_kv, rank]``, the names of :class:`~dmc_train.models.less.kernels.LESSKernels`); its cache is ``less``."""
 
     policy: str
     budget: int
     options: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
+    cache = "less"
 
     def to(self, device: torch.device) -> "LESSWeights":
         """These weights with the kernels' tensors on ``device``."""
@@ -49,17 +52,29 @@ class LESSWeights:
         return self.layers[0]["q2"].shape[-1]
 
     @classmethod
-    def pop_from(cls, state: dict[str, torch.Tensor], method: Any, context: int) -> "LESSWeights":
+    def from_saved(cls, saved: Any, state: dict[str, torch.Tensor], shape: Any) -> "LESSWeights":
         """Take the kernels out of a full (TP=1) megatron state dict (``decoder.layers.<i>.self_attention.less.<name>``,
-        removed from ``state``); the policy from the checkpoint's ``method`` config node, its budget in entries for
-        the ``context`` it was trained on (``train.seq_length``)."""
+        removed from ``state``); the policy from the saved run's ``method`` config node, its budget in entries for
+        the context it was trained on (``train.seq_length``)."""
         pattern = re.compile(r"decoder\.layers\.(\d+)\.self_attention\.less\.(\w+)$")
         layers: dict[int, dict[str, torch.Tensor]] = {}
         for name in [n for n in state if pattern.search(n)]:
             layer, key = pattern.search(name).groups()
             layers.setdefault(int(layer), {})[key] = state.pop(name).float()
-        budget = Budget.of(method.budget).entries(context)
+        method = saved.cfg.method
+        budget = Budget.of(method.budget).entries(saved.cfg.train.seq_length)
         return cls(method.policy, budget, dict(method.policy_options), [layers[i] for i in sorted(layers)])
+
+    def attention_with_evicted(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               evicted_at: torch.Tensor, scale: float) -> torch.Tensor:
+        """The LESS cache's parallel form of ``layer``: ``q [b, H, n, d]``, ``k, v [b, H_kv, n, d]`` attended under
+        a policy that evicted entry j at ``evicted_at [b, H_kv, n]`` (:class:`~dmc_train.policies.parallel.PolicyRun`),
+        the evicted pairs in the state (:func:`kernels.less.less_attention`) -> ``[b, H, n, d_v]``."""
+        w = self.layers[layer]
+        return less_attention(q, k, v, *eviction_masks(evicted_at), phi_q(q, w), phi_k(k, w), scale)
+
+    def check_tensor_parallel(self) -> None:
+        raise InferenceError("a LESS checkpoint cannot run tensor-parallel; use tensor_parallel=1")
 
 
 class LESSCache(EvictingCache):

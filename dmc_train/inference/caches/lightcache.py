@@ -40,7 +40,7 @@ from dmc_train.policies.lightcache import Context, LightCache, compress, window_
 def lightcache_for(model: Any, options: dict[str, Any]) -> LightCache:
     """LightCache (settings, projections from the weights) for a :class:`LlamaForInference`."""
     s = model.shape
-    if model.dmc is not None:
+    if model.decisions is not None:
         raise InferenceError("the 'lightcache' cache runs on vanilla and GQA checkpoints; this one is a DMC model, "
                              "which compresses with its own cache: use cache='dmc' (or auto)")
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
