@@ -24,8 +24,9 @@ Storage: each (sequence, layer, KV head) is one row of the shared :class:`~dmc_t
 (DMC's open slot, a policy's scores, LESS's ``H, z``) and reports it in :meth:`state_bytes`.
 
 Subclasses: ``full.py`` (every token), ``dmc.py`` (Algorithm 1), ``evicting.py`` (every eviction
-policy of ``dmc_train/policies``: a fixed budget, the victim overwritten in place); LESS will add a
-constant-size per-row state fed with the evicted (k, v) pairs.
+policy of ``dmc_train/policies``: a fixed budget, the victim overwritten in place), ``less.py`` (a policy's
+cache plus a constant-size per-row state fed with the evicted (k, v) pairs), ``lightcache.py`` (LightCache's
+compressed widths and window).
 """
 
 from __future__ import annotations
