@@ -263,7 +263,7 @@ def write(results: list[dict], out: str, speed: Optional[dict], commands: list[s
     checks = orderings(results)
     if checks:
         text += ["The papers' orderings, checked:", "", *checks, ""]
-    text += list(sections)
+    text += [*preset.notes, *([""] if preset.notes else []), *sections]
     markdown = "\n".join(text)
     for folder in [out] + ([docs_dir] if docs_dir else []):
         os.makedirs(folder, exist_ok=True)

@@ -71,7 +71,7 @@ class Preset:
     ``model``: model overrides of the base that every retrofit repeats (its weights must fit them);
     ``lm_eval_limit``: documents of each shipped lm-eval task (:data:`LM_EVAL_TASKS`) per cell (0: none);
     ``prompt_len``: each test sequence's first tokens are a prompt (prefilled, then compressed), the tokens after
-    it are scored (1: every token)."""
+    it are scored (1: every token); ``notes``: lines the report ends with."""
 
     base: tuple
     cells: tuple
@@ -79,6 +79,7 @@ class Preset:
     model: tuple = ()
     lm_eval_limit: int = 0
     prompt_len: int = 1
+    notes: tuple = ()
 
 
 LM_EVAL_TASKS = ("shakespeare_next_line", "shakespeare_speaker")  # multiple choice: accuracy
@@ -104,12 +105,13 @@ def _yaml(path: str) -> dict:
 
 
 def preset_of(spec: dict, regimes: dict[str, list]) -> Preset:
-    """A preset from its YAML: ``base``, ``model``, the numbers of :class:`Preset`, and ``cells``, each a
+    """A preset from its YAML: ``base``, ``model``, ``notes``, the numbers of :class:`Preset`, and ``cells``, each a
     :class:`Cell`'s fields or a group of cells (:func:`_group`); a ``train`` item ``"@<regime>"`` stands for that
     regime's overrides."""
     cells = [cell for entry in spec["cells"] for cell in _group(entry)]
     cells = tuple(Cell(**{**c, "train": _train(c.get("train", ()), regimes)}) for c in cells)
     return Preset(base=tuple(spec["base"]), cells=cells, model=tuple(spec.get("model", ())),
+                  notes=tuple(spec.get("notes", ())),
                   **{key: spec[key] for key in ("max_sequences", "lm_eval_limit", "prompt_len") if key in spec})
 
 
