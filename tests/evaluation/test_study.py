@@ -88,3 +88,22 @@ def test_why_gqa_beats_dmc_is_stated_from_the_controlled_cells():
     assert "DMC 2× at least as good as GQA 2× with heads of 128: **reproduced** (DMC 56.00, GQA 57.00)" in text
     assert "cells not run yet: dmc4" in text
     assert "not run yet" in "\n".join(study_report.dmc_vs_gqa([], [], full, {"dmc_cost": ["continued", "dmc1"]}))
+
+
+def test_a_preset_file_expands_its_groups_regimes_and_notes(tmp_path):
+    spec = {"base": ["+recipe=base_tiny"], "prompt_len": 8, "notes": ["see docs"],
+            "cells": [{"name": "vanilla", "method": "vanilla", "fraction": 1.0, "cache": "full"},
+                      {"policies": ["h2o"], "fractions": [0.25, 0.125], "schedules": ["decode", "prefill"]},
+                      {"name": "gqa4", "method": "GQA", "fraction": 0.25, "gqa_groups": 2,
+                       "train": ["@short", "train.max_steps=3"]}]}
+    preset = study.preset_of(spec, {"short": ["@lr", "train.max_steps=2"], "lr": ["optim.lr=1e-3"]})
+    cells = {c.name: c for c in preset.cells}
+    assert list(cells) == ["vanilla", "h2o_1of4", "h2o_1of8", "h2o_1of4_prefill", "h2o_1of8_prefill", "gqa4"]
+    assert cells["h2o_1of8_prefill"].options == {"schedule": "prefill", "compression_ratio": 0.875}
+    assert cells["h2o_1of8_prefill"].method == "H2O (prefill)"
+    assert cells["gqa4"].train == ("optim.lr=1e-3", "train.max_steps=2", "train.max_steps=3")
+    assert preset.prompt_len == 8 and preset.notes == ("see docs",)
+    results = [_row("vanilla", "vanilla", 1.0, 70.0), _row("h2o_1of4", "H2O", 0.25, 71.0)]
+    text = study_report.write(results, str(tmp_path), None, ["python launch/study.py"], "mine", preset)
+    assert text.rstrip().endswith("see docs") and "The first 8 tokens of each are a prompt" in text
+    assert (tmp_path / "RESULTS_mine.md").exists() and (tmp_path / "mine_pareto.png").exists()
