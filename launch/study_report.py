@@ -176,9 +176,9 @@ def controlled_sections(out: str, results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Perplexity against KV bytes per token (the Pareto view): one marker per cell, one colour and marker per
-    method. Cells more than 10 % above the vanilla cache are drawn at the top edge, labelled with their value,
-    so that the close ones stay apart."""
+    """Perplexity against KV bytes per token (the Pareto view, both axes log): one colour and marker per method,
+    its cells joined by a line in order of bytes. Cells more than 3x the vanilla cache's perplexity are drawn at
+    the top edge, labelled with their value."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,24 +188,24 @@ def plot(results: list[dict], path: str) -> None:
     methods = sorted({r["method"] for r in results})
     colours, markers = plt.get_cmap("tab20"), "os^vDP*Xph<>"
     base = _vanilla(results)
-    top = 1.1 * base["ppl"] if base else max(r["ppl"] for r in results)
+    top = min(3 * base["ppl"], max(r["ppl"] for r in results)) if base else max(r["ppl"] for r in results)
     for i, m in enumerate(methods):
-        rows = [r for r in results if r["method"] == m]
-        ax.scatter([r["kv_bytes_per_token"] for r in rows], [min(r["ppl"], top) for r in rows],
-                   color=colours(i % 20), marker=markers[i % len(markers)], label=m, s=45, zorder=3)
+        rows = sorted((r for r in results if r["method"] == m), key=lambda r: r["kv_bytes_per_token"])
+        ax.plot([r["kv_bytes_per_token"] for r in rows], [min(r["ppl"], top) for r in rows], linewidth=1,
+                color=colours(i % 20), marker=markers[i % len(markers)], label=m, markersize=6, zorder=3)
         for r in rows:
             if r["ppl"] > top:
                 ax.annotate(f"{m} {r['ppl']:.0f} ↑", (r["kv_bytes_per_token"], top), textcoords="offset points",
                             xytext=(4, -12), fontsize=7)
     if base:
         ax.axhline(base["ppl"], color="black", linestyle="--", linewidth=1)
-        ax.set_ylim(top=top * 1.005)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("KV bytes held per token (state included; log scale)")
-    ax.set_ylabel("test perplexity")
+    ax.set_ylabel("test perplexity (log scale)")
     ax.set_title("Every method at equal memory (lower left is better)")
     ax.legend(fontsize=7, ncol=2)
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
