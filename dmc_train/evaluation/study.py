@@ -132,7 +132,17 @@ def _group(entry: dict) -> list[dict]:
 
     if "name" in entry:
         return [entry]
-    if "policies" in entry and "less" not in entry:
+    if "less" in entry:
+        cells, extra = [], entry.get("extra", 4)
+        for f in entry["less"]:
+            for p in entry["policies"]:
+                label = "Λ-masking" if p == "streaming_llm" else POLICIES[p].label  # the LESS paper's name for it
+                cells += [dict(name=f"less_{p}_{tag(f)}", method=f"LESS ({label})", fraction=f, cache="less",
+                               train=["@less", f"method.policy={p}"], budget_offset=extra),
+                          dict(name=f"baseline_{p}_{tag(f)}", method=f"Baseline ({label})", fraction=f, cache=p,
+                               budget_offset=extra)]
+        return cells
+    if "policies" in entry:
         names = list(POLICIES) if entry["policies"] == "all" else entry["policies"]
         cells = []
         for schedule in entry.get("schedules", ["decode"]):
@@ -156,16 +166,6 @@ def _group(entry: dict) -> list[dict]:
             cells += [dict(name=f"dmc{x}", method="DMC", fraction=f, train=["@dmc", f"method.target_cr={x}"]),
                       dict(name=f"pool{x}", method="Fixed Memory Pooling", fraction=f,
                            train=["@dmc", "method=fixed_pooling", f"method.pool={x}"])]
-        return cells
-    if "less" in entry:
-        cells, extra = [], entry.get("extra", 4)
-        for f in entry["less"]:
-            for p in entry["policies"]:
-                label = "Λ-masking" if p == "streaming_llm" else POLICIES[p].label  # the LESS paper's name for it
-                cells += [dict(name=f"less_{p}_{tag(f)}", method=f"LESS ({label})", fraction=f, cache="less",
-                               train=["@less", f"method.policy={p}"], budget_offset=extra),
-                          dict(name=f"baseline_{p}_{tag(f)}", method=f"Baseline ({label})", fraction=f, cache=p,
-                               budget_offset=extra)]
         return cells
     raise ConfigError(f"a study cell entry {entry} is neither a cell (name, method, fraction, ...) nor a group "
                       f"(policies, lightcache, retrofits, less)")
