@@ -1,0 +1,75 @@
+"""A fork server for the tests' single-process launches (:func:`tests.helpers.run`, CPU only).
+
+torch and megatron-core take about 9 s to import on one core, several times what a tiny test run computes. This
+process imports them once per pytest worker; each launch is a fork of it that runs the script as
+``python <script> <args>`` (or ``python -c``/``-m``) would: its own arguments, environment, working directory,
+``sys.path[0]`` and standard streams, the fresh interpreter's warning filters, and the exit code and tracebacks
+of an ordinary interpreter exit (atexit handlers, non-daemon threads joined). What differs from a fresh process is
+only that those modules are already imported, so the environment variables they read at import must equal this
+server's: :func:`tests.helpers.run` starts a fresh interpreter otherwise (``IMPORT_TIME_ENV``).
+
+Protocol, one JSON object per line: the client writes ``{"argv", "env", "cwd", "stdout", "stderr"}`` on this
+process's stdin; it answers the child's pid, then its exit code (``-N`` for a signal, as ``subprocess``).
+"""
+
+import gc
+import json
+import os
+import sys
+import warnings
+
+FRESH_WARNING_FILTERS = list(warnings.filters)
+warnings.simplefilter("ignore")  # megatron-core's import-time warnings, which no child would show either
+import hydra  # noqa: E402,F401
+import megatron.core  # noqa: E402,F401  (imports torch)
+
+# The imported objects out of the collector's reach: a child's collections and exit would otherwise touch (and so
+# copy) every page of them, 2 s per child.
+gc.freeze()
+
+
+def run_child(request: dict) -> None:
+    """In the forked child: become ``python <argv...>`` and run it; raises SystemExit (or the script's
+    exception) up to the interpreter's top level, which exits as a fresh interpreter would."""
+    import runpy
+
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
+                            (2, request["stderr"], os.O_WRONLY)):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = open(0, closefd=False)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    warnings.filters[:] = FRESH_WARNING_FILTERS
+    warnings._filters_mutated()
+    argv = request["argv"]
+    if argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    elif argv[0] == "-m":
+        sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+    sys.exit(0)
+
+
+def serve() -> None:
+    requests, replies = sys.stdin.buffer, sys.stdout
+    while line := requests.readline():
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            run_child(request)
+        print(pid, file=replies, flush=True)
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), file=replies, flush=True)
+
+
+if __name__ == "__main__":
+    serve()
