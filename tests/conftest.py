@@ -8,8 +8,9 @@ tests that exercise tensors run; they take it from the ``device`` fixture.
 - ``cuda``: the same tests on the first visible GPU, Triton kernels compiled for real, training
   subprocesses on CUDA with NCCL (``benchmarks/gpu_check.sh`` runs this).
 
-Files with a ``slow`` test run first: under ``pytest -n 2 --dist loadfile`` (the README's command) each
-file goes to one worker in collection order, so a long file collected last would run alone at the end.
+Files with a ``slow`` test run first, the longest first (``pytest.mark.slow(minutes=N)``): under ``pytest -n 2
+--dist loadfile`` (the README's command) each file goes to one worker in collection order, so a long file collected
+last would run alone at the end.
 """
 
 import os
@@ -36,8 +37,11 @@ def device():
 
 
 def pytest_collection_modifyitems(config, items):
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
+    minutes = {}  # a file's longest ``slow`` mark (``pytest.mark.slow(minutes=5)``; 1 when not given)
+    for item in items:
+        for mark in item.iter_markers("slow"):
+            minutes[item.path] = max(minutes.get(item.path, 0), mark.kwargs.get("minutes", 1))
+    items.sort(key=lambda item: -minutes.get(item.path, 0))  # stable: the order within a file is kept
 
 
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -8,13 +8,18 @@ of an ordinary interpreter exit (atexit handlers, non-daemon threads joined). Wh
 only that those modules are already imported, so the environment variables they read at import must equal this
 server's: :func:`tests.helpers.run` starts a fresh interpreter otherwise (``IMPORT_TIME_ENV``).
 
-Protocol, one JSON object per line: the client writes ``{"argv", "env", "cwd", "stdout", "stderr"}`` on this
-process's stdin; it answers the child's pid, then its exit code (``-N`` for a signal, as ``subprocess``).
+A launch of several ranks (``torchrun --nproc_per_node=N``) forks one child per rank with torchrun's environment
+variables; when one rank fails the others get SIGTERM, as torchrun does.
+
+Protocol, one JSON object per line: the client writes ``{"argv", "cwd", "ranks": [{"env", "stdout", "stderr"},
+...]}`` on this process's stdin; it answers the children's pids, then their exit codes (``-N`` for a signal, as
+``subprocess``), one line each.
 """
 
 import gc
 import json
 import os
+import signal
 import sys
 import warnings
 
@@ -64,11 +69,26 @@ def serve() -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            run_child(request)
-        print(pid, file=replies, flush=True)
-        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), file=replies, flush=True)
+        pids = []
+        for rank in request["ranks"]:
+            pid = os.fork()
+            if pid == 0:
+                run_child({**request, **rank})
+            pids.append(pid)
+        print(*pids, file=replies, flush=True)
+        print(*wait_all(pids), file=replies, flush=True)
+
+
+def wait_all(pids: list[int]) -> list[int]:
+    """The exit codes of ``pids``; when one fails, the others get SIGTERM (as torchrun stops a job's ranks)."""
+    codes = {}
+    while len(codes) < len(pids):
+        pid, status = os.wait()
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0:
+            for other in set(pids) - set(codes):
+                os.kill(other, signal.SIGTERM)
+    return [codes[pid] for pid in pids]
 
 
 if __name__ == "__main__":

@@ -251,7 +251,7 @@ def run_chain(cases: list[Case], tmp_path, nranks: int):
     assert sorted(losses(ref)) == list(range(1, STEPS + 1))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=5)
 @pytest.mark.distributed
 def test_signals_under_torchrun_checkpoint_and_resume_exactly(tmp_path):
     run_chain(TWO_RANKS, tmp_path, nranks=2)

@@ -39,7 +39,7 @@ def test_distributed_optimizer_tp_change_needs_weights_only(obs):
 def test_command_line_under_torchrun(obs, tmp_path):
     out = tmp_path / "a_pp2"
     proc = run(["-m", "checkpoints_tools.reshard", "--input", str(obs[1] / "A"), "--output", str(out),
-                "--tensor", "1", "--pipeline", "2"], nproc=2)
+                "--tensor", "1", "--pipeline", "2"], nproc=2, fresh=True)
     assert "wrote" in proc.stdout
     latest = (out / "checkpoints" / "latest").read_text().strip()
     meta = json.loads((out / "checkpoints" / latest / "meta.json").read_text())

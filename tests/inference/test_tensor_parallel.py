@@ -77,7 +77,7 @@ def test_generate_under_torchrun(dmc_run, tmp_path):
     args = ["launch/generate.py", "--checkpoint", str(dmc_run), "--prompt", "5 17 42 7 7 300", "--prompt", "9 9",
             "--token-ids", "--max-new-tokens", "10", "--kv-bytes", "1MB"]
     run([*args, "--json", str(tmp_path / "tp1.json")])
-    proc = run([*args, "--tensor-parallel", "2", "--json", str(tmp_path / "tp2.json")], nproc=2)
+    proc = run([*args, "--tensor-parallel", "2", "--json", str(tmp_path / "tp2.json")], nproc=2, fresh=True)
     tp1, tp2 = (json.loads((tmp_path / f"tp{n}.json").read_text())["outputs"] for n in (1, 2))
     assert [o["tokens"] for o in tp2] == [o["tokens"] for o in tp1]
     assert proc.stdout.count("--- summary") == 1  # rank 0 prints

@@ -181,4 +181,4 @@ def test_imports_stay_light():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'launch') or "
             "m.startswith(('dmc_train.methods', 'dmc_train.training'))]\n"
             "assert not bad, bad\n")
-    run(["-c", code])
+    run(["-c", code], fresh=True)  # what it imports: a fresh interpreter
