@@ -9,6 +9,7 @@ method's own settings (the ``method`` node) are defined and checked with the met
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -196,6 +197,7 @@ def validate(cfg: Any, world_size: int) -> ParallelLayout:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     m, p, t = cfg.model, cfg.parallel, cfg.train
     check_ranges(cfg)
+    check_logging(cfg.logging)
     groups = kv_groups(m)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
@@ -320,6 +322,13 @@ def check_ranges(cfg: Any) -> None:
         if value < low:
             meaning = f" (0 = {_ZERO_MEANS[key]})" if key in _ZERO_MEANS else ""
             raise ConfigError(f"{key}={value} is not allowed; use an integer >= {low}{meaning}")
+
+
+def check_logging(logging: Any) -> None:
+    """wandb is optional (not in requirements.txt): a run that logs to it needs it installed."""
+    if logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"logging.wandb_project={logging.wandb_project} needs wandb, which is not installed; "
+                          "pip install wandb==0.31.0, or leave logging.wandb_project unset")
 
 
 def kv_groups(model: Any) -> int:

@@ -36,6 +36,12 @@ def device():
     return torch.device(TEST_DEVICE)
 
 
+def pytest_configure(config):
+    # pytest-xdist hands out files with the most tests first unless told not to: keep the order set below
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     minutes = {}  # a file's longest ``slow`` mark (``pytest.mark.slow(minutes=5)``; 1 when not given)
     for item in items:

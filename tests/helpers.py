@@ -1,5 +1,6 @@
 """Run project scripts in subprocesses (training installs the CPU compatibility layer process-wide,
-so tests keep it out of the pytest process)."""
+so tests keep it out of the pytest process). On CPU they are forked from a server that has torch and megatron-core
+imported (``tests/preload_server.py``): a tiny training run takes 3 s instead of 11."""
 
 import atexit
 import json

@@ -25,6 +25,9 @@ import warnings
 
 FRESH_WARNING_FILTERS = list(warnings.filters)
 warnings.simplefilter("ignore")  # megatron-core's import-time warnings, which no child would show either
+import dmc_train  # noqa: E402,F401  (first, as in every entry point: its adjustments to megatron-core's import)
+
+# isort: split
 import hydra  # noqa: E402,F401
 import megatron.core  # noqa: E402,F401  (imports torch)
 

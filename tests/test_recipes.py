@@ -1,6 +1,7 @@
 """Every recipe composes against the schema and validates for its intended layout (no model built)."""
 
 import os
+import sys
 
 import pytest
 
@@ -116,6 +117,13 @@ def test_unknown_key_is_rejected():
 def test_invalid_values_name_the_field(override, message):
     cfg = load_config(["+recipe=tiny_pretrain", *override])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate(cfg, world_size=1)
+
+
+def test_logging_to_wandb_needs_it_installed(monkeypatch):
+    cfg = load_config(["+recipe=tiny_pretrain", "logging.wandb_project=demo"])
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed (it is optional)
+    with pytest.raises(ConfigError, match="logging.wandb_project=demo needs wandb, which is not installed"):
         validate(cfg, world_size=1)
 
 
