@@ -1,4 +1,4 @@
-"""A fork server for the tests' single-process launches (:func:`tests.helpers.run`, CPU only).
+"""A fork server for the tests' launches of the project's commands (:func:`tests.helpers.run`, CPU only).
 
 torch and megatron-core take about 9 s to import on one core, several times what a tiny test run computes. This
 process imports them once per pytest worker; each launch is a fork of it that runs the script as
