@@ -67,18 +67,15 @@ class PreloadedPython:
         return [int(word) for word in line.split()]
 
     def run(self, argv: list[str], cwd: str, env: dict, timeout: float, nproc: int) -> subprocess.CompletedProcess:
-        port = str(free_port())
+        port = str(free_port()) if nproc > 1 else None
         with self.lock, tempfile.TemporaryDirectory() as tmp:
             ranks = [{"env": env if nproc == 1 else {**env, **torchrun_env(rank, nproc, port)},
                       "stdout": os.path.join(tmp, f"stdout.{rank}"), "stderr": os.path.join(tmp, f"stderr.{rank}")}
                      for rank in range(nproc)]
-            for rank in ranks:
-                open(rank["stdout"], "w").close()
-                open(rank["stderr"], "w").close()
             server = self._start()
             server.stdin.write(json.dumps({"argv": argv, "cwd": cwd, "ranks": ranks}) + "\n")
             server.stdin.flush()
-            pids = self._reply(server, 60)
+            pids = self._reply(server, timeout)  # the first launch also waits for the server's imports
             try:
                 codes = self._reply(server, timeout)
             except TimeoutError:

@@ -41,8 +41,9 @@ def run_child(request: dict) -> None:
     exception) up to the interpreter's top level, which exits as a fresh interpreter would."""
     import runpy
 
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
-                            (2, request["stderr"], os.O_WRONLY)):
+    created = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], created),
+                            (2, request["stderr"], created)):
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
