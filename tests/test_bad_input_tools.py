@@ -254,6 +254,20 @@ def test_one_warning_per_process_for_a_missing_compiler_or_an_unwritable_cache(m
     assert len(messages) == 1 and fragment in messages[0], messages
 
 
+def test_a_library_is_built_once_into_the_cache_directory(monkeypatch, tmp_path):
+    """(The sampling kernel: every family's library is built by the same code, and it compiles in a second where
+    the paged-attention one takes half a minute.)"""
+    from kernels import compiled
+    from kernels.sampling import cpu as sampling
+
+    monkeypatch.setenv("DMC_KERNELS_CACHE", str(tmp_path))
+    assert compiled.load(sampling.SOURCE, "sampling") is not None
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    assert compiled.load(sampling.SOURCE, "sampling") is not None and built[0].stat().st_mtime_ns == stamp  # loaded
+
+
 def test_a_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
     from kernels import compiled
     from kernels.sampling import cpu as sampling

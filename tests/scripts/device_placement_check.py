@@ -135,8 +135,10 @@ def main() -> None:
             current.append(arg)
     with tempfile.TemporaryDirectory() as tmp, MetaValues() as mode:
         for overrides in runs:
+            # two layers and one micro-batch: a step's ops on meta tensors run through PyTorch's Python references
             cfg = load_config(["+recipe=tiny_pretrain", f"run_dir={tmp}/run", "checkpoint.resume=none",
-                               "logging.progress=false", "train.eval_iters=1", *overrides])
+                               "logging.progress=false", "train.eval_iters=1", "model.num_layers=2",
+                               "train.global_batch_size=2", *overrides])
             trainer = Trainer(cfg)
             assert all(p.device == META for chunk in trainer.model for p in chunk.parameters())
             mode.checking = True

@@ -71,7 +71,7 @@ def test_matches_reference_fp32(device, mode, window, alpha_kind, n):
 def test_several_channel_blocks(device, mode, window):
     """d = 128, d_v = 64 over several channel blocks (default sizes: 16 channels in exact mode for so few
     heads, 64 in window mode): dalpha / domega summed across blocks."""
-    _, k, v, omega, gen = make_inputs(b=2, hk=2, n=9, d=128, dv=64, seed=5)
+    _, k, v, omega, gen = make_inputs(b=1, hk=1, n=9, d=128, dv=64, seed=5)
     alpha = torch.rand(k.shape[:3], generator=gen)
     check_against_reference(device, k, v, alpha, omega, mode, window)
 
@@ -109,7 +109,7 @@ def test_float64_and_partial_grads(device, mode, window):
 @pytest.mark.parametrize("mode, window", [("exact", None), ("window", 3)])
 def test_bfloat16(device, mode, window):
     """bf16 k / v (non-contiguous) with fp32 alpha / omega: outputs and gradients in the input dtypes."""
-    _, k, v, omega, gen = make_inputs(b=2, hk=2, n=17, d=64, dv=64, seed=7)
+    _, k, v, omega, gen = make_inputs(b=2, hk=2, n=17, d=16, dv=16, seed=7)
     alpha = torch.rand(k.shape[:3], generator=gen)
     k_bf = k.bfloat16().to(device).transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous view, same values
     inputs = [t.to(device).requires_grad_() for t in (k_bf, v.bfloat16(), alpha, omega)]
