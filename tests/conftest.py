@@ -24,6 +24,10 @@ if TEST_DEVICE not in ("cpu", "cuda"):
 if TEST_DEVICE == "cpu":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread per pytest process (set before torch is imported): with two workers on two cores, each
+# worker's second OpenMP thread spins waiting for a core the other worker holds, and the in-process tests took
+# 2-5x longer. The compiled kernels' multi-threaded paths are tested with threads set explicitly.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +38,18 @@ def device():
     if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.exit("DMC_TEST_DEVICE=cuda but torch sees no GPU; run without it for the CPU tests", returncode=2)
     return torch.device(TEST_DEVICE)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The test on 1 and on 2 intra-op threads (the compiled CPU kernels split their rows over as many OpenMP threads;
+    the suite's processes run on one, above), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 def pytest_configure(config):

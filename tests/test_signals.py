@@ -181,7 +181,17 @@ def targets(case: Case, proc: subprocess.Popen) -> list[psutil.Process]:
 
 def run_case(case: Case, run_dir, tmp_path, nranks: int):
     """Launch, wait until every rank holds at ``case.at`` (or start-up has reached ``case.moment``), deliver
-    the case's signal, wait for the end."""
+    the case's signal, wait for the end. A launch whose torchrun lost its free port to another process before it
+    started the ranks (EADDRINUSE, nothing written yet) is started again on another port."""
+    for _ in range(3):
+        code, out = _launch_and_signal(case, run_dir, tmp_path, nranks)
+        if code is not None:
+            return code, out
+    raise AssertionError(f"case {case.id}: torchrun found no free port in 3 launches\n{out[-3000:]}")
+
+
+def _launch_and_signal(case: Case, run_dir, tmp_path, nranks: int):
+    """:func:`run_case`'s one launch: ``(exit code, log)``, or ``(None, log)`` when torchrun's port was taken."""
     hold_dir = tmp_path / "hold" / case.id
     held = case.at or (0 if case.moment == "built" else None)
     log = tmp_path / f"{case.id}.log"
@@ -193,6 +203,8 @@ def run_case(case: Case, run_dir, tmp_path, nranks: int):
         ready = [hold_dir / f"ready.{held}.{r}" for r in range(nranks)]
         deadline = time.monotonic() + 600
         while not (all(p.exists() for p in ready) if held is not None else reached(case, proc)):
+            if proc.poll() is not None and "EADDRINUSE" in log.read_text():
+                return None, log.read_text()
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
             time.sleep(0.01)
         sent_to = [] if case.to == "group" else targets(case, proc)
@@ -242,8 +254,11 @@ def run_chain(cases: list[Case], tmp_path, nranks: int):
         assert {k: after.get(k) for k in before} == before, where  # earlier checkpoints untouched
         if not case.moment:
             assert (run_dir / "metrics.jsonl").read_bytes().startswith(rows_before), where
-    done = subprocess.run(command(launcher, [*TINY, f"run_dir={run_dir}"]), cwd=ROOT, env=environment(tmp_path),
-                          capture_output=True, text=True, timeout=900)
+    for _ in range(3):  # a new port when torchrun's was taken (run_case)
+        done = subprocess.run(command(launcher, [*TINY, f"run_dir={run_dir}"]), cwd=ROOT, env=environment(tmp_path),
+                              capture_output=True, text=True, timeout=900)
+        if done.returncode == 0 or "EADDRINUSE" not in done.stderr:
+            break
     assert done.returncode == 0, done.stderr[-5000:]
     assert losses(run_dir) == losses(ref)  # exactly the uninterrupted run's losses, every step
     assert sorted(losses(ref)) == list(range(1, STEPS + 1))

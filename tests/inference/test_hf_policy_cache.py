@@ -32,14 +32,6 @@ def hf_llama(weights) -> LlamaForCausalLM:
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is fastest, and spinning OpenMP threads crawl when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def models(device):

@@ -24,15 +24,6 @@ D = SHAPE.head_dim  # 16
 SMALL = {"r_k": 2, "r_v": 8, "global": 4, "local": 8, "top_k": 2, "segment": 4}  # window 20, selection from token 12
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Hundreds of small ops per decode step: with 2 intra-op threads on 2 busy cores (pytest -n 2) each op
-    waits for the other thread, 10-40x slower; one thread here, restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def new_pool(model, num_pages=512, max_batch=4):
     s = model.shape

@@ -161,10 +161,11 @@ def _append_pool(lens: list[int], page_size: int = 4):
             "spare": torch.arange(n, n + 4, dtype=torch.int32), "spare_left": torch.tensor([4])}
 
 
-def test_a_layer_with_a_compiled_attention_is_its_three_calls():
+def test_a_layer_with_a_compiled_attention_is_its_three_calls(threads):
     """layer_decode (the projection, a cache's append and attention called by address, the output) equals
-    rms_norm_matmul, paged_append_decode and layer_output bit for bit, pages included; layer_attend_output the same
-    from the heads on; too few spare pages: the attention's one-line error, nothing changed."""
+    rms_norm_matmul, paged_append_decode and layer_output bit for bit, pages included, on 1 and 2 threads;
+    layer_attend_output the same from the heads on; too few spare pages: the attention's one-line error, nothing
+    changed."""
     from kernels.layer import layer_attend_output, layer_decode
     from kernels.paged import decode_attention, paged_append_decode
 

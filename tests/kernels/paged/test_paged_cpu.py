@@ -30,10 +30,10 @@ def test_the_kernel_builds_and_runs_for_fp32_on_cpu():
 
 
 @pytest.mark.parametrize("d, G", [(32, 4), (64, 4), (128, 4), (32, 1), (32, 2), (64, 8), (32, 3), (40, 4)])
-def test_the_sizes_compiled_as_constants_match_the_reference(d, G):
+def test_the_sizes_compiled_as_constants_match_the_reference(d, G, threads):
     """d = dv = 32, 64, 128 with G = 1, 2, 4, 8 query heads per row run copies of the kernel compiled for those
     sizes (others, G = 3 or d = 40, the copy with variable sizes): out, scores and lse within 1e-5 of the
-    reference, for rows of every length (whole and partial blocks of 16 entries)."""
+    reference, for rows of every length (whole and partial blocks of 16 entries), on 1 and 2 threads."""
     q, kp, vp, bt, lens, _ = make_case(ragged_lens(16), G=G, d=d, dv=d, seed=d + G)
     for scores in (None, "probs", "logits"):
         got = cpu.paged_attention_cpu(q, kp, vp, bt, lens, d ** -0.5, scores, return_lse=True)
@@ -174,12 +174,12 @@ def _dmc_pool(ring: int, d: int, dv: int, page_size: int):
 
 
 @pytest.mark.parametrize("ring", [1, 3])
-def test_a_dmc_decode_step_takes_spare_pages_and_attends_as_the_pytorch_path(ring):
+def test_a_dmc_decode_step_takes_spare_pages_and_attends_as_the_pytorch_path(ring, threads):
     """12 decode steps of 4 rows (2 sequences x 2 KV heads, 3 query heads each) through dmc_decode: the compiled
     CPU kernel (update and attention in one call) and the PyTorch path (pages taken in tensor ops, the update op,
     paged attention) give the same outputs (within 1e-6), and bit for bit the same pages, block table (an append
     that starts a page takes ``spare[left - 1]``), lengths, state and spare count; the outputs equal the loop
-    reference over the rows' entries."""
+    reference over the rows' entries. On 1 and 2 threads."""
     d, dv, page_size = 8, 6, 4
     results = []
     for use in ("torch", "auto"):
