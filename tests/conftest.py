@@ -4,7 +4,7 @@ tests that exercise tensors run; they take it from the ``device`` fixture.
 - ``cpu``: the GPUs of the machine, if any, are hidden from the tests and every process they start
   (``CUDA_VISIBLE_DEVICES=""``), so a training subprocess runs on CPU as in CI; Triton kernels run on CPU
   tensors through Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton compiles anything: the
-  kernels are imported lazily, on first use).
+  kernels are imported lazily, on first use); one intra-op thread per process unless ``OMP_NUM_THREADS`` says.
 - ``cuda``: the same tests on the first visible GPU, Triton kernels compiled for real, training
   subprocesses on CUDA with NCCL (``benchmarks/gpu_check.sh`` runs this).
 
@@ -24,10 +24,10 @@ if TEST_DEVICE not in ("cpu", "cuda"):
 if TEST_DEVICE == "cpu":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# One intra-op thread per pytest process (set before torch is imported): with two workers on two cores, each
-# worker's second OpenMP thread spins waiting for a core the other worker holds, and the in-process tests took
-# 2-5x longer. The compiled kernels' multi-threaded paths are tested with threads set explicitly.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # One intra-op thread per pytest process (set before torch is imported): with two workers on two cores, each
+    # worker's second OpenMP thread spins waiting for a core the other worker holds, and the in-process tests took
+    # 2-5x longer. The compiled kernels' multi-threaded paths are tested with threads set explicitly.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +43,7 @@ def device():
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
     """The test on 1 and on 2 intra-op threads (the compiled CPU kernels split their rows over as many OpenMP threads;
-    the suite's processes run on one, above), restored after."""
+    the suite's processes run on one on CPU, above), restored after."""
     import torch
 
     before = torch.get_num_threads()
