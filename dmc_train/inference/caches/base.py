@@ -38,7 +38,7 @@ import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
 from dmc_train.inference.pool import PageLoan, PagePool
-from kernels.paged import decode_attention
+from kernels.paged import DecodePlan, appends_in_attention_call, decode_attention, paged_append_decode
 
 
 @dataclass
@@ -72,27 +72,29 @@ class HeadsFirst:
 
 
 @dataclass
-class LentStep:
-    """A decode step whose layers take their pages as they append (:meth:`KVCache.begin_lent_step`): its
-    ``seq_ids``, every layer's ``rows [layers, B * H_kv]`` (sequence-major), the pages lent to it, and the step as a
-    compiled function for the layer kernels (``call``: built at the first layer that asks, :meth:`attention`)."""
+class DecodeStep:
+    """One decode step of ``seq_ids``, planned once for every layer (:meth:`KVCache.begin_decode`) and executed layer
+    by layer the way the backend chosen for the cache's pages runs appends (:attr:`KVCache.appends_in_call`):
+
+    - ``rows [layers, N]``: every layer's rows (``N = B * H_kv``, sequence-major: row ``b H_kv + j`` is sequence b's
+      KV head j);
+    - ``loan``: the pages lent to the step (:meth:`KVCache.lend_step`), which rows take as they append inside the
+      kernel call (the compiled CPU kernels; DMC on every backend: a row's merge-or-append is decided in the call);
+      None when the rows were grown before the layers, their new entries already counted;
+    - ``flat [layers, N]``: then the flat page slot each row writes its new entry at (its end, or an eviction
+      policy's victim), and ``plan``: the attention plan over the lengths after the step (:meth:`PagePool.plan`);
+    - ``call``: the layers' work as a compiled function a layer kernel calls (built by the first layer that asks,
+      :meth:`KVCache.step_call`; False where none runs).
+
+    A cache with more to plan extends it (the eviction policies' victims and per-row state:
+    :class:`~dmc_train.inference.caches.evicting.EvictionStep`)."""
 
     seq_ids: tuple
     rows: torch.Tensor
-    loan: PageLoan
+    loan: Optional[PageLoan] = None
+    flat: Optional[torch.Tensor] = None
+    plan: Optional[DecodePlan] = None
     call: Any = None  # kernels.paged.DecodeAttention, or False where the compiled kernel does not run
-
-    def attention(self, cache: "KVCache", layer: int, num_heads: int, open_state: Optional[torch.Tensor] = None,
-                  open_tokens: Optional[torch.Tensor] = None):
-        """Layer ``layer``'s part of the step as the compiled function its kernel calls
-        (:func:`kernels.paged.decode_attention`: a plain append, or DMC's update with the open-slot state), or
-        None where it does not run."""
-        if self.call is None:
-            pool = cache.pool
-            self.call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
-                                         (num_heads, cache.num_kv_heads), cache.scale, *self.loan, open_state,
-                                         open_tokens) or False
-        return self.call.for_rows(self.rows[layer]) if self.call else None
 
 
 class KVCache:
@@ -111,6 +113,9 @@ class KVCache:
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float):
         self.pool, self.num_layers, self.num_kv_heads, self.scale = pool, num_layers, num_kv_heads, scale
         self.device = pool.device  # every tensor of the cache's state lives beside the pages
+        # how the backend chosen for the pages runs a step's appends, asked once: inside the attention call, taking
+        # lent pages (the compiled CPU kernels), or after the rows were grown before the layers (DecodeStep)
+        self.appends_in_call = appends_in_attention_call(pool.device, pool.dtype)
         self.rows: dict[int, torch.Tensor] = {}
         self._batch_key, self._batch_rows = None, None
         self._step_rows = None  # (batch rows, rows [layers, B * H_kv]) while the batch is unchanged (step_rows)
@@ -142,14 +147,17 @@ class KVCache:
         raise NotImplementedError
 
     def begin_decode(self, seq_ids: list[int]) -> None:
-        """A decode step of ``seq_ids`` starts (its layers' :meth:`decode` calls follow, in order)."""
+        """A decode step of ``seq_ids`` starts (its layers' :meth:`decode` calls follow, in order): a cache plans it
+        here, once for every layer (``self._step``, a :class:`DecodeStep`)."""
 
     def end_decode(self) -> None:
-        """The decode step ended (or failed): drop what :meth:`begin_decode` prepared."""
+        """The decode step ended (or failed): the step planned dropped, its lent pages settled (:meth:`end_step`)."""
+        step, self._step = self._step, None
+        self.end_step(step)
 
-    _step: Any = None  # the decode step begun (a cache's own type, with ``seq_ids``)
+    _step: Optional[DecodeStep] = None  # the decode step begun
 
-    def _step_of(self, seq_ids: list[int]) -> Any:
+    def _step_of(self, seq_ids: list[int]) -> DecodeStep:
         """The decode step :meth:`begin_decode` began for ``seq_ids``: a layer's :meth:`decode` runs inside one."""
         step = self._step
         if step is None or step.seq_ids != tuple(seq_ids):
@@ -192,12 +200,43 @@ class KVCache:
             self._step_rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1))
         return self._step_rows[1]
 
-    def begin_lent_step(self, seq_ids: list[int], needed: Optional[int] = None) -> LentStep:
+    def lend_step(self, seq_ids: list[int], needed: Optional[int] = None) -> DecodeStep:
         """A decode step of ``seq_ids`` whose layers take the pages their appends need from a loan
-        (:meth:`lend_step_pages`; ``needed`` as there); the cache's ``end_decode`` settles it
-        (``pool.settle(step.loan)``)."""
+        (:meth:`lend_step_pages`; ``needed`` as there); :meth:`end_step` settles it."""
         rows = self.step_rows(seq_ids)
-        return LentStep(tuple(seq_ids), rows, self.lend_step_pages(rows, needed))
+        return DecodeStep(tuple(seq_ids), rows, loan=self.lend_step_pages(rows, needed))
+
+    def end_step(self, step: Optional[DecodeStep]) -> None:
+        """The end of ``step`` (also after a failure): the pages its appends took off the free list."""
+        if step is not None and step.loan is not None:
+            self.pool.settle(step.loan)
+
+    def append_attend(self, step: DecodeStep, layer: int, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s part of an appending ``step``: each row's new entry ``k [B, H_kv, d]``, ``v [B, H_kv,
+        d_v]`` stored (in the kernel call with the step's lent pages, or at its planned slot), then the attention of
+        ``q [B, H, d]`` over the rows, new entries included -> ``[B * H_kv, G, d_v]``."""
+        b, h, d = q.shape
+        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
+        if step.loan is None:
+            return self.pool.attend_planned(step.plan, q, self.scale, index=layer, append=(k, v, step.flat[layer]))
+        pool = self.pool
+        return paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens, step.rows[layer], k,
+                                   v, q, self.scale, *step.loan)
+
+    def step_call(self, step: Optional[DecodeStep], layer: int, num_heads: int,
+                  open_state: Optional[torch.Tensor] = None, open_tokens: Optional[torch.Tensor] = None):
+        """Layer ``layer``'s part of a ``step`` with lent pages as the compiled function its kernel calls
+        (:func:`kernels.paged.decode_attention`: a plain append, or DMC's update with the open-slot state; built once
+        per step), or None where none runs (no step, no loan, or not the compiled CPU kernels)."""
+        if step is None or step.loan is None or step.call is False:
+            return None
+        if step.call is None:
+            pool = self.pool
+            step.call = decode_attention(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens,
+                                         (num_heads, self.num_kv_heads), self.scale, *step.loan, open_state,
+                                         open_tokens) or False
+        return step.call.for_rows(step.rows[layer]) if step.call else None
 
     def lend_step_pages(self, rows: torch.Tensor, needed: Optional[int] = None) -> PageLoan:
         """The pages a decode step's appends over ``rows`` (any shape) may take, lent by the pool

@@ -17,8 +17,8 @@ keeps the rotation at its segment's last token. **Once per decode step** (:meth:
 pool lends the step the pages its appends may take (:meth:`PagePool.lend_pages`) and every layer's rows are
 taken; a layer is then one call, :func:`kernels.paged.dmc_decode`: the update in the cache's own state (an append
 that starts a page takes a lent one; the appends counted in the rows' lengths) and the attention over each row's
-own entries. :meth:`DMCCache.end_decode` takes the pages the appends took off the free list (same results as each
-layer alone).
+own entries. :meth:`DMCCache.end_decode` takes the pages the appends took off the free list (same results as
+each layer alone).
 **Parallel prefill**: the decisions and the accumulation for the whole prompt in one pass
 (:func:`teacher_forced_dmc`, the chunked scan of ``kernels.dmc``), then only the closed slots and the open
 slot's state are written — never token by token.
@@ -26,12 +26,10 @@ slot's state are written — never token by token.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from dmc_train.errors import InferenceError
-from dmc_train.inference.caches.base import KVCache, LentStep, TokenInfo
+from dmc_train.inference.caches.base import KVCache, TokenInfo
 from dmc_train.inference.pool import PageLoan, PagePool
 from dmc_train.models.dmc_settings import DMCSettings
 from kernels.dmc import dmc_attention, partial_accumulation
@@ -60,7 +58,6 @@ class DMCCache(KVCache):
     name = "dmc"
     needs_decisions = True
     prefill_equals_decode = True  # the parallel prefill is Algorithm 1's result (tests/inference)
-    _step: Optional[LentStep] = None  # the decode step begun
 
     def __init__(self, pool: PagePool, num_layers: int, num_kv_heads: int, scale: float, settings: DMCSettings):
         super().__init__(pool, num_layers, num_kv_heads, scale)
@@ -110,26 +107,18 @@ class DMCCache(KVCache):
         self.open_tokens[rows] = length
 
     def begin_decode(self, seq_ids):
-        """Once per step for every layer: the pages the step's appends may take are lent (:meth:`lend_step_pages`) and
-        every layer's rows taken. A layer's :meth:`decode` is then one kernel call where one runs (the compiled CPU
-        kernel)."""
+        """Once per step for every layer: the pages the step's appends may take are lent (:meth:`lend_step`; the
+        base's :meth:`end_decode` takes those they took off the free list) and every layer's rows taken. A layer's
+        :meth:`decode` is then one kernel call where one runs (the compiled CPU kernel)."""
         if self._step is not None:
             raise InferenceError("a DMC decode step began before the previous one ended (end_decode)")
-        self._step = self.begin_lent_step(seq_ids)
-
-    def end_decode(self):
-        """Take the pages the step's appends took off the free list."""
-        step, self._step = self._step, None
-        if step is not None:
-            self.pool.settle(step.loan)
+        self._step = self.lend_step(seq_ids)
 
     def compiled_attention(self, layer, num_heads, positions):
         """In a begun step: the layer's update and attention as the compiled function the layer kernel calls after
-        the model's decisions (:func:`kernels.paged.decode_attention` with the open-slot state, built once per step;
-        the model hands it the layer's decisions). Asked only with ``rope_order=post`` (the keys arrive rotated)."""
-        if self._step is None:
-            return None
-        return self._step.attention(self, layer, num_heads, self.open_state, self.open_tokens)
+        the model's decisions (:meth:`step_call` with the open-slot state; the model hands it the layer's
+        decisions). Asked only with ``rope_order=post`` (the keys arrive rotated)."""
+        return self.step_call(self._step, layer, num_heads, self.open_state, self.open_tokens)
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         """One token per sequence: Algorithm 1 on each row's open slot, which grows the appending rows by one entry,

@@ -29,11 +29,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from dmc_train.inference.caches.base import HeadsFirst, KVCache, TokenInfo
+from dmc_train.inference.caches.base import DecodeStep, HeadsFirst, KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
 from dmc_train.policies.base import (
     Entries,
@@ -49,20 +49,19 @@ from dmc_train.policies.parallel import compress_prompt, prompt_keep
 from kernels.paged import DecodePlan, decode_attention
 
 
-@dataclass
-class DecodeStep:
-    """What the layers of one decode step share, computed once (:meth:`EvictingCache.begin_decode`).
+@dataclass(kw_only=True)
+class EvictionStep(DecodeStep):
+    """A :class:`DecodeStep` of the evicting cache, planned once (:meth:`EvictingCache.begin_decode`): its rows were
+    grown before the layers (``loan`` None), and beside them the victims and the policy's state.
 
     Every row of a sequence holds the same number of entries in every layer and KV head (the prompt's kept
     entries, then one more per step until the budget), so the lengths, the rows at their budget and the
     attention plan are the same for all layers.
 
-    - ``rows [layers, N]``: every layer's rows (``N = B * H_kv``, ordered [sequence, KV head]);
     - ``lens [N]`` int64: entries before the step, ``new_lens [N]`` after it; ``full [N]`` bool: rows at their
       budget, which overwrite a victim (the others append at ``lens``); ``n_full``: how many (host);
       ``full_rows``: their indices ``[n_full]`` when only some are full and the cache absorbs what it evicts (LESS);
-    - ``plan``: the attention plan over the lengths after the step, for every layer of ``rows`` (built by the first
-      layer that attends through :meth:`~EvictingCache.attend`);
+    - ``plan``: built by the first layer that attends through :meth:`~EvictingCache.attend`;
     - ``state``: the per-row state of ``rows``, gathered once (name -> ``[layers, N, ...]``; or the last step's,
       held for an unchanged batch) and held or written back by :meth:`~EvictingCache.end_decode`;
     - ``policy``: the policy's :class:`Step` (built at the first layer, which brings the positions);
@@ -70,26 +69,20 @@ class DecodeStep:
       slot, for every layer at once when the policy's priority does not read the query (else None: chosen
       layer by layer); ``recorded``: the new token's position (and zero score) already recorded in every layer's
       state at once (:func:`~dmc_train.policies.base.record_token`), only what reads the keys left per layer;
-    - ``call``: the layers' write and attention as a compiled function (:meth:`~EvictingCache.compiled_attention`;
-      False where it does not run), ``scores [layers, N, budget]``: the per-entry scores its calls write for
-      the policy, ``compiled``: the layers it ran, whose policy update waits for
-      :meth:`~EvictingCache.end_decode`; ``choosing``: ``slots`` filled layer by layer as the compiled calls choose
-      them from each layer's query."""
+    - ``call``: the layers' write and attention as a compiled function (:meth:`~EvictingCache.compiled_attention`),
+      ``scores [layers, N, budget]``: the per-entry scores its calls write for the policy, ``compiled``: the layers
+      it ran, whose policy update waits for :meth:`~EvictingCache.end_decode`; ``choosing``: ``slots`` filled layer
+      by layer as the compiled calls choose them from each layer's query."""
 
-    seq_ids: tuple
-    rows: torch.Tensor
     lens: torch.Tensor
     new_lens: torch.Tensor
     full: torch.Tensor
     n_full: int
     full_rows: Optional[torch.Tensor]
     state: dict[str, torch.Tensor]
-    plan: Optional[DecodePlan] = None
     policy: Optional[Step] = None
     slots: Optional[torch.Tensor] = None
-    flat: Optional[torch.Tensor] = None
     recorded: bool = False
-    call: Any = None
     scores: Optional[torch.Tensor] = None
     compiled: list[int] = field(default_factory=list)
     choosing: bool = False
@@ -140,7 +133,7 @@ class EvictingCache(KVCache):
         return per_row * self.rows[seq_id].numel()
 
     wants_evicted = False  # True: read the victims' entries and pass them to absorb()
-    _step: Optional[DecodeStep] = None  # the decode step begun
+    _step: Optional[EvictionStep] = None  # the decode step begun
     _facts: Optional[tuple] = None  # (batch rows, heads, prompt_len, horizon) of the running batch (_row_facts)
     _full_plan: Optional[tuple] = None  # (batch rows, plan) of the last step whose rows were all full (_plan)
     _call: Optional[tuple] = None  # (query heads, the compiled write and attention) (_compiled_call)
@@ -183,7 +176,7 @@ class EvictingCache(KVCache):
         per-row state, :meth:`row_state`: the cache's own tensors, or a decode step's gathered ones; ``where``
         None: all of its rows, in order)."""
 
-    def attend(self, step: DecodeStep, layer: int, q: torch.Tensor, scores: Optional[str], append=None):
+    def attend(self, step: EvictionStep, layer: int, q: torch.Tensor, scores: Optional[str], append=None):
         """Paged attention of ``q [B, H, d]`` over the rows of layer ``layer``: ``(out [B * H_kv,
         G, d_v], per-entry scores [B * H_kv, L] or None)``; ``append`` ``(k, v, flat slots)``: each row's new entry,
         written first (:meth:`PagePool.attend_planned`)."""
@@ -194,7 +187,7 @@ class EvictingCache(KVCache):
             return self.pool.attend_planned(plan, q, self.scale, index=layer, append=append), None
         return self.pool.attend_planned(plan, q, self.scale, index=layer, scores=scores, append=append)
 
-    def step_plan(self, step: DecodeStep) -> DecodePlan:
+    def step_plan(self, step: EvictionStep) -> DecodePlan:
         """The attention plan of ``step``'s rows, built once (by the first layer that attends through it)."""
         if step.plan is None:
             step.plan = self._plan(step.rows, step.new_lens, step.n_full)
@@ -260,7 +253,7 @@ class EvictingCache(KVCache):
 
     def begin_decode(self, seq_ids):
         """Once for all layers: the rows below their budget (every row, with the prefill schedule) grow by one
-        entry, the attention plan is built, and the per-row state is gathered (:class:`DecodeStep`)."""
+        entry, the attention plan is built, and the per-row state is gathered (:class:`EvictionStep`)."""
         self._step = self._prepare(seq_ids)
 
     def end_decode(self):
@@ -270,8 +263,8 @@ class EvictingCache(KVCache):
         if step is not None:
             self._finish(step)
 
-    def _prepare(self, seq_ids: list[int]) -> DecodeStep:
-        """The :class:`DecodeStep` of ``seq_ids``: grows their rows (one ``grow``), gathers the state."""
+    def _prepare(self, seq_ids: list[int]) -> EvictionStep:
+        """The :class:`EvictionStep` of ``seq_ids``: grows their rows (one ``grow``), gathers the state."""
         rows = self.step_rows(seq_ids)  # [layers, B * H_kv]
         lens = self.pool.seq_lens[rows[0]].long()
         if self.evicting:
@@ -289,12 +282,13 @@ class EvictingCache(KVCache):
             flat = rows.flatten()  # index_select: 2-3x faster than indexing by rows [layers, N] on CPU
             state = {name: t.index_select(0, flat).view(*rows.shape, *t.shape[1:])
                      for name, t in self.row_state().items()}
-        step = DecodeStep(tuple(seq_ids), rows, lens, new_lens, full, n_full, full_rows, state)
+        step = EvictionStep(seq_ids=tuple(seq_ids), rows=rows, lens=lens, new_lens=new_lens, full=full, n_full=n_full,
+                            full_rows=full_rows, state=state)
         if n_full == 0:  # every row appends
             step.slots = lens.expand(self.num_layers, -1)
         return step
 
-    def _flat(self, step: DecodeStep) -> torch.Tensor:
+    def _flat(self, step: EvictionStep) -> torch.Tensor:
         """``step.flat``: the flat page slot of every layer's ``step.slots`` (computed once)."""
         if step.flat is None:
             step.flat = self.pool.slots(step.rows, step.slots)
@@ -311,7 +305,7 @@ class EvictingCache(KVCache):
             cached = self._full_plan = (self._batch_rows, self.pool.plan(rows, lens))
         return cached[1]
 
-    def _finish(self, step: DecodeStep) -> None:
+    def _finish(self, step: EvictionStep) -> None:
         """The policy's part of the layers that ran as compiled calls, then the step's per-row state held for the next
         step of the same batch (written back when the batch changes, a sequence joins or leaves, or someone reads the
         state, :meth:`row_state`)."""
@@ -319,7 +313,7 @@ class EvictingCache(KVCache):
             self._update_compiled(step)
         self._held = (step.rows, step.state)
 
-    def _policy_step(self, step: DecodeStep, layer: int, positions: torch.Tensor) -> Step:
+    def _policy_step(self, step: EvictionStep, layer: int, positions: torch.Tensor) -> Step:
         """The policy's :class:`Step` of ``layer`` (what does not depend on the layer is computed once per step, at
         its first layer: then also every layer's victims, when the priority does not read the query, and the new
         token recorded in every layer's state)."""
@@ -345,19 +339,19 @@ class EvictingCache(KVCache):
             self._facts = (batch, heads, self.prompt_len[rows].long(), self.horizon[rows].long())
         return self._facts[1:]
 
-    def _choose_all(self, step: DecodeStep) -> None:
+    def _choose_all(self, step: EvictionStep) -> None:
         """``step.slots`` of every layer at once: one victim choice over the entries of every layer ``[layers, N, L]``
         (the priority reads the entries alone, and ``step.layer`` is each one's index, ``[layers, 1, 1]``)."""
         every_layer = dataclasses.replace(step.policy, layer=self._layer_ids)
         step.slots = self._slots(step, self._entries(step, slice(None)), None, every_layer)  # [layers, N]
 
-    def _slots(self, step: DecodeStep, entries: Entries, q: Optional[torch.Tensor], policy: Step) -> torch.Tensor:
+    def _slots(self, step: EvictionStep, entries: Entries, q: Optional[torch.Tensor], policy: Step) -> torch.Tensor:
         """The entry ``[..., N]`` each row writes: its victim when full (the priority over ``entries``, with the
         queries ``q [N, G, d]`` when it reads them), else ``lens``."""
         victim = victim_slots(self.scorer, entries, q, policy, self.budget)
         return victim if step.n_full == len(step.lens) else torch.where(step.full, victim, step.lens)
 
-    def _choose(self, step: DecodeStep, layer: int, entries: Entries, q: torch.Tensor,
+    def _choose(self, step: EvictionStep, layer: int, entries: Entries, q: torch.Tensor,
                 policy: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """The entry ``[N]`` each row of layer ``layer`` writes (its victim when full, else ``lens``) and its flat
         page slot ``[N]``: chosen for every layer at once, or here with the layer's ``q [B, H, d]``."""
@@ -394,7 +388,7 @@ class EvictingCache(KVCache):
         step.compiled.append(layer)
         return self._write_at_slots(step, layer)
 
-    def _write_at_slots(self, step: DecodeStep, layer: int):
+    def _write_at_slots(self, step: EvictionStep, layer: int):
         """The compiled call of layer ``layer``: its rows written at ``step.slots[layer]``, attended, the scores into
         ``step.scores[layer]``."""
         call = step.call.for_rows(step.rows[layer])
@@ -402,7 +396,7 @@ class EvictingCache(KVCache):
             return call.at_slots(step.slots[layer])
         return call.at_slots(step.slots[layer], step.scores[layer], self.scorer.attention)
 
-    def _choose_from_heads(self, step: DecodeStep, layer: int, num_heads: int, heads: torch.Tensor):
+    def _choose_from_heads(self, step: EvictionStep, layer: int, num_heads: int, heads: torch.Tensor):
         """Layer ``layer``'s victims from its queries (a view of its projected heads ``[B, H + 2 H_kv,
         d]``), the new token's position recorded at them, then its compiled call (:meth:`_write_at_slots`)."""
         n = len(step.lens)
@@ -426,7 +420,7 @@ class EvictingCache(KVCache):
                                                       (num_heads, self.num_kv_heads), self.scale, None, None))
         return self._call[1]
 
-    def _update_compiled(self, step: DecodeStep) -> None:
+    def _update_compiled(self, step: EvictionStep) -> None:
         """After the compiled calls of ``step.compiled``'s layers: their new entries' keys recorded where the policy
         reads them (read back from the pages at their slots) and their scores updated by what the calls' attention
         wrote, as :meth:`_decode_layer` does after its attention; every layer at once when all of them ran so."""
@@ -442,7 +436,7 @@ class EvictingCache(KVCache):
             self.scorer.update(entries, None if step.scores is None else step.scores[index],
                                dataclasses.replace(step.policy, layer=layer))
 
-    def _entries(self, step: DecodeStep, index: int | slice) -> Entries:
+    def _entries(self, step: EvictionStep, index: int | slice) -> Entries:
         """The per-entry state of layer ``index``'s rows (views of the step's gathered state; a slice: those layers'
         ``[layers, N, L]``)."""
         st = step.state
@@ -477,7 +471,7 @@ class EvictingCache(KVCache):
 
     def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:
         """A page for every row below its budget whose last page is full; a full row takes none. Every row of a
-        sequence holds the same number of entries (:class:`DecodeStep`): one row is read per sequence."""
+        sequence holds the same number of entries (:class:`EvictionStep`): one row is read per sequence."""
         lens = self.pool.seq_lens[self.batch_rows(seq_ids)[:, 0, 0]].tolist()
         rows = self.num_layers * self.num_kv_heads
         return [rows if n % self.pool.page_size == 0 and not (self.evicting and n >= self.budget) else 0

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
-
 import torch
 import torch.nn.functional as F
 
-from dmc_train.inference.caches.base import KVCache, LentStep, TokenInfo
-from kernels.paged import DecodePlan, appends_in_attention_call, paged_append_decode
+from dmc_train.inference.caches.base import DecodeStep, KVCache, TokenInfo
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -16,21 +13,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-class _PlannedStep(NamedTuple):
-    """A decode step whose rows :meth:`FullCache.begin_decode` grew: where each layer's rows write
-    (``slots [layers, B * H_kv]``) and the attention plan shared by the layers."""
-
-    seq_ids: tuple
-    slots: torch.Tensor
-    plan: DecodePlan
-
-
 class FullCache(KVCache):
     """Keeps everything; attention as in training (causal at prefill, over all entries at decode)."""
 
     name = "full"
     prefill_equals_decode = True
-    _step: Optional[Union[_PlannedStep, LentStep]] = None  # the decode step begun
     _table = None  # (rows [layers, B * H_kv], their block table) of the planned steps while the batch is unchanged
 
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
@@ -55,17 +42,15 @@ class FullCache(KVCache):
                           for a, b in zip([0] + bounds[:-1], bounds)], dim=2)
 
     def begin_decode(self, seq_ids):
-        """Once per step for every layer. Where a layer's append and attention are one kernel call (the compiled CPU
-        kernel, :func:`kernels.paged.paged_append_decode`) the pool lends the pages the rows may take
-        (:meth:`lend_step_pages`: a page for every row of a sequence whose last page is full, read from one row per
-        sequence) and each layer's rows append as they attend. Elsewhere every row grows by one entry
-        here, in one ``grow`` for all layers, and the slots written and the attention plan computed once (every
-        layer's rows of a sequence hold its tokens: equal lengths); a row takes a page only every
-        ``page_size``-th step: in the others only the lengths change, and the rows' block table (stacked per batch,
-        ``[layers, B * H_kv, pages]``) is the previous step's."""
-        if appends_in_attention_call(self.pool.k_pages.device, self.pool.dtype):
-            self._table = None  # rows take pages in the kernel: a kept table would go stale
-            self._step = self.begin_lent_step(seq_ids, sum(self.decode_pages_needed(seq_ids)))
+        """Every row appends one entry, planned once for every layer (:class:`DecodeStep`). Where the backend appends
+        in the attention call (the compiled CPU kernel, :attr:`appends_in_call`) the pool lends the pages the rows may
+        take (:meth:`lend_step`: a page for every row of a sequence whose last page is full, read from one row per
+        sequence). Elsewhere every row grows by one entry here, in one ``grow`` for all layers, and the slots written
+        and the attention plan are computed once (every layer's rows of a sequence hold its tokens: equal lengths); a
+        row takes a page only every ``page_size``-th step: in the others only the lengths change, and the rows' block
+        table (stacked per batch, ``[layers, B * H_kv, pages]``) is the previous step's."""
+        if self.appends_in_call:
+            self._step = self.lend_step(seq_ids, sum(self.decode_pages_needed(seq_ids)))
             return
         rows = self.step_rows(seq_ids)
         table = self._table[1] if self._table is not None and self._table[0] is rows else None
@@ -77,7 +62,8 @@ class FullCache(KVCache):
             self._table = (rows, table)
         else:
             self.pool.seq_lens[rows] = grown.to(self.pool.seq_lens.dtype)
-        self._step = _PlannedStep(tuple(seq_ids), self.pool.slots(rows, lens), self.pool.plan_table(table, grown))
+        self._step = DecodeStep(tuple(seq_ids), rows, flat=self.pool.slots(rows, lens),
+                                plan=self.pool.plan_table(table, grown))
 
     def decode_pages_needed(self, seq_ids):
         """A page for each row of a sequence whose last page is full (one row read per sequence: its rows hold
@@ -85,26 +71,11 @@ class FullCache(KVCache):
         lens = self.pool.seq_lens[self.batch_rows(seq_ids)[:, 0, 0]].tolist()
         return [self.num_layers * self.num_kv_heads if n % self.pool.page_size == 0 else 0 for n in lens]
 
-    def end_decode(self):
-        step, self._step = self._step, None
-        if isinstance(step, LentStep):
-            self.pool.settle(step.loan)
-
     def compiled_attention(self, layer, num_heads, positions):
-        """In an appending step: the layer's append and attention as the compiled function the layer kernel calls
-        (:func:`kernels.paged.decode_attention`, built once per step)."""
-        step = self._step
-        return step.attention(self, layer, num_heads) if isinstance(step, LentStep) else None
+        """In a step with lent pages: the layer's append and attention as the compiled function the layer kernel calls
+        (:meth:`step_call`)."""
+        return self.step_call(self._step, layer, num_heads)
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         """The layer's part of the step begun: each row's new entry appended, then the attention over the rows."""
-        b, h, d = q.shape
-        step = self._step_of(seq_ids)
-        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)  # [B * H_kv, G, d]
-        if isinstance(step, _PlannedStep):
-            out = self.pool.attend_planned(step.plan, q, self.scale, index=layer, append=(k, v, step.slots[layer]))
-        else:
-            pool = self.pool
-            out = paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens, step.rows[layer],
-                                      k, v, q, self.scale, *step.loan)
-        return out.view(b, h, -1)
+        return self.append_attend(self._step_of(seq_ids), layer, q, k, v).view(q.shape[0], q.shape[1], -1)
