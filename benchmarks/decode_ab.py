@@ -28,8 +28,6 @@ import statistics
 import subprocess
 import sys
 
-from inference import prompts  # benchmarks/inference.py (this script's directory is on sys.path)
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHES = {"full": ("base", "full"), "gqa": ("gqa2", "full"), "dmc": ("pool2", "dmc"), "h2o": ("base", "h2o"),
           "tova": ("base", "tova"), "lsh_e": ("base", "lsh_e")}
@@ -106,7 +104,10 @@ def worker(root: str, spec: dict) -> None:
 
 
 def held_out_prompts(n: int, length: int) -> list[list[int]]:
-    """``n`` prompts of ``length`` token ids from the held-out plays, in base_tiny's tokenizer."""
+    """``n`` prompts of ``length`` token ids from the held-out plays, in base_tiny's tokenizer (imported here: a
+    worker must import its own checkout's ``dmc_train``, which ``inference.py`` would import first)."""
+    from inference import prompts  # benchmarks/inference.py (this script's directory is on sys.path)
+
     from dmc_train.data.tokenizer import load_tokenizer
     from dmc_train.recipes import load_config
 
