@@ -2,14 +2,16 @@
 # Checking a GPU machine (docs/CLUSTER.md): from a fresh clone, one GPU; each stage prints its time (--skip leaves
 # stages out when the device time is short).
 #
-#   bash benchmarks/gpu_check.sh [--wheels DIR] [--out DIR] [--skip tests,runs,bench]
+#   bash benchmarks/gpu_check.sh [--wheels DIR] [--out DIR] [--skip tests,runs,bench,decode]
 #
 # 1. installs what is missing (megatron-core, hydra-core, omegaconf, antlr4: from the package index, or from the
 #    wheels in DIR with --wheels, for machines without internet) into a folder of its own, torch left as it is;
 # 2. a 20-step tiny run on the GPU, a kill -9 during a second run and its resume (losses equal to the first run's
 #    bit for bit), DMC 10 steps on the GPU resumed on the CPU, LESS 3 steps from the tiny run, and the engine's
 #    greedy tokens on the GPU against the CPU's (full, H2O, LightCache, DMC caches);
-# 3. benchmarks/gpu_train.py (method steps at a Llama-2-7B layer shape, DMC attention and accumulation kernels);
+# 3. benchmarks/gpu_train.py (method steps at a Llama-2-7B layer shape, DMC attention and accumulation kernels) and a
+#    short benchmarks/gpu_decode.py (decode tokens/s at one KV budget: full, fixed pooling, GQA, the policies at 1/4,
+#    transformers' generate; 2 layers of the Llama-2-7B shape, 512 + 256 tokens);
 # 4. the tests that exercise tensors on the GPU (DMC_TEST_DEVICE=cuda: kernels, models, the engine, caches,
 #    policies, transformers' PolicyCache), the Triton kernels compiled;
 # and prints one table last. Logs and results go to --out (default: $OUT if set, else runs/gpu_check).
@@ -22,7 +24,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS=$2; shift 2 ;;
     --out) DEST=$2; shift 2 ;;
     --skip) SKIP=$2; shift 2 ;;
-    *) echo "error: unknown argument $1 (use --wheels DIR, --out DIR, --skip tests,runs,bench)" >&2; exit 2 ;;
+    *) echo "error: unknown argument $1 (use --wheels DIR, --out DIR, --skip tests,runs,bench,decode)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$DEST"
@@ -128,6 +130,17 @@ if ! skipped bench; then
   fi
 fi
 
+if ! skipped decode; then
+  t0=$SECONDS
+  if timeout "${DMC_CHECK_DECODE_SECONDS:-180}" $PY benchmarks/gpu_decode.py --device cuda --layers 2 --prompt 512 \
+      --new 256 --rounds 1 --caches full pool2 pool4 gqa2 gqa4 h2o_1of4 tova_1of4 streaming_llm_1of4 --out "$DEST" \
+      2>&1 | tee "$DEST/gpu_decode.log"; then
+    record "benchmarks/gpu_decode.py" ok "($((SECONDS - t0)) s; goals below)"
+  else
+    record "benchmarks/gpu_decode.py" FAILED "$(tail -1 "$DEST/gpu_decode.log")"
+  fi
+fi
+
 # -- 4. tests on the GPU ------------------------------------------------------------------------
 if ! skipped tests; then
   t0=$SECONDS
@@ -146,3 +159,4 @@ echo
 echo "GPU check ($DEST):"
 printf '  %s\n' "${TABLE[@]}"
 if [ -e "$DEST/gpu_train.log" ]; then sed -n '/^goals/,$p' "$DEST/gpu_train.log" | sed 's/^/  /'; fi
+if [ -e "$DEST/gpu_decode.log" ]; then sed -n '/^goals/,/^wrote/p' "$DEST/gpu_decode.log" | sed 's/^/  /'; fi
