@@ -37,6 +37,7 @@ import statistics
 import time
 
 import torch
+from inference import copy_bandwidth, synchronize, weight_bytes  # benchmarks/inference.py (this directory)
 
 SHAPES = {  # (layers, hidden, ffn, heads, vocab, rope base)
     "llama2_7b": (32, 4096, 11008, 32, 32000, 10000.0),
@@ -85,25 +86,6 @@ def sequence_bytes(engine, tokens: int) -> int:
     return rows * -(-entries // pool.page_size) * pool.page_bytes + state
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of ``dst.copy_(src)`` of 1 GiB on ``device``, counted 2 x bytes (read + write), best of 5."""
-    src = torch.ones(2 ** 28, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * src.element_size() / best
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(name: str, args, kv_bytes: int) -> dict:
     """One cache's batch, decode and whole-generation tokens/s (module docstring)."""
     from dmc_train.inference.engine import Engine
@@ -122,16 +104,14 @@ def measure(name: str, args, kv_bytes: int) -> dict:
     decode, wall = [], []
     for _ in range(args.rounds):
         before = dict(engine.stats)
-        sync(model.device)
+        synchronize(model.device)
         t0 = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=args.new, ignore_eos=True))
-        sync(model.device)
+        synchronize(model.device)
         wall.append(batch * args.new / (time.perf_counter() - t0))
         decode.append((engine.stats["decode_tokens"] - before["decode_tokens"])
                       / (engine.stats["decode_s"] - before["decode_s"]))
-    weights = sum(t.numel() * t.element_size() for layer in model.layers for t in vars(layer).values()
-                  if isinstance(t, torch.Tensor)) + model.lm_head.numel() * model.lm_head.element_size()
-    read = weights + batch * sequence_bytes(engine, args.prompt + args.new // 2)  # the KV at mid-generation
+    read = weight_bytes(model) + batch * sequence_bytes(engine, args.prompt + args.new // 2)  # the KV at mid-generation
     result = {"name": name, "batch": batch, "bytes_per_seq": per_seq, "decode_tps": statistics.median(decode),
               "wall_tps": statistics.median(wall), "step_read_bytes": read,
               "preemptions": engine.stats["preemptions"]}
@@ -163,10 +143,10 @@ def hf_generate(model, prompts: list[list[int]], args) -> float:
         hf.generate(ids, **{**run, "max_new_tokens": min(8, args.new), "min_new_tokens": min(8, args.new)})
         times = []
         for _ in range(args.rounds):
-            sync(ids.device)
+            synchronize(ids.device)
             t0 = time.perf_counter()
             hf.generate(ids, **run)
-            sync(ids.device)
+            synchronize(ids.device)
             times.append(time.perf_counter() - t0)
     del hf
     return len(prompts) * args.new / statistics.median(times)
@@ -252,7 +232,7 @@ def main() -> None:
         args.kv_bytes = 16 * per_token * (args.prompt + args.new)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(1024, 5, device)
     results = []
     for name in args.caches:
         results.append(measure(name, args, args.kv_bytes))

@@ -115,18 +115,26 @@ def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """This machine's memory bandwidth in bytes/s: ``dst.copy_(src)`` of a ``megabytes`` fp32 tensor, counted as
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """The memory bandwidth of ``device`` in bytes/s: ``dst.copy_(src)`` of a ``megabytes`` fp32 tensor, counted as
     STREAM's copy does (2 x bytes: read + write), best of ``repeats``."""
-    src = torch.ones(megabytes * 2 ** 20 // 4)
+    src = torch.ones(megabytes * 2 ** 20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # the pages are touched once before timing
     best = float("inf")
     for _ in range(repeats):
+        synchronize(src.device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        synchronize(src.device)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * src.element_size() / best
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a GPU's kernels run asynchronously; nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def matmul_seconds(model, batch: int, repeats: int = 20) -> float:
