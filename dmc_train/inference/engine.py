@@ -227,7 +227,8 @@ class Engine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-        self.model.check_tokens(torch.tensor(ids, dtype=torch.long)[None] if ids else torch.zeros(1, 0),
+        self.model.check_tokens(torch.tensor(ids, dtype=torch.long, device="cpu")[None] if ids
+                                else torch.zeros(1, 0, device="cpu"),
                                 bounded=not self.unbounded)
         eos = getattr(self.tokenizer, "eos_id", None)
         req = _Request(self._next_id, ids, params, StopChecker(params, eos), make_generator(params))
@@ -305,7 +306,7 @@ class Engine:
     def _prefill(self, group: list[_Request]) -> list[torch.Tensor]:
         """Prefill ``group`` in one forward; the logits ``[1, V]`` of each one's last token. On OutOfPages the
         group's rows are released and it is raised."""
-        fed = [torch.tensor(self._fed(req)) for req in group]
+        fed = [torch.tensor(self._fed(req), device=self.device) for req in group]
         if self.model.group is not None:  # no rank may run out alone inside the forward: all decide on the bound
             bound, free = sum(self.cache.prefill_pages_bound(len(f)) for f in fed), self._free_pages()
             if bound > free:
@@ -369,8 +370,8 @@ class Engine:
         if not self.running:
             return events
         batch = list(self.running)
-        tokens = torch.tensor([r.next_token for r in batch])
-        positions = torch.tensor([r.cached for r in batch])
+        tokens = torch.tensor([r.next_token for r in batch], device=self.device)
+        positions = torch.tensor([r.cached for r in batch], device=self.device)
         sampled = [i for i, r in enumerate(batch) if not r.replaying]
         start = time.perf_counter()
         logits = self.model.decode(self.cache, [r.id for r in batch], tokens, positions)
@@ -381,7 +382,7 @@ class Engine:
             req.cached += 1
         if len(sampled) < len(batch):  # some requests replay a recompute: only the others sample
             logits = logits[sampled]
-        new = self._sample(logits, [batch[i] for i in sampled]) if sampled else torch.empty(0)
+        new = self._sample(logits, [batch[i] for i in sampled]) if sampled else torch.empty(0, device="cpu")
         for i, token in zip(sampled, new.tolist()):
             events.append(self._accept(batch[i], token))
         if self.stats["preemptions"] > preempted and self.running:
@@ -405,7 +406,7 @@ class Engine:
         """Elementwise maximum of ``counts`` over the tensor-parallel ranks (``counts`` without a group)."""
         if self.model.group is None:
             return list(counts)
-        t = torch.tensor(list(counts), dtype=torch.long)
+        t = torch.tensor(list(counts), dtype=torch.long, device="cpu")  # gloo: host tensors
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.model.group)
         return t.tolist()
 

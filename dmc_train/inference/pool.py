@@ -197,7 +197,7 @@ class PagePool:
         decode step: :func:`kernels.paged.dmc_cache_update`), in the order ``pop()`` would give them. The free list
         is unchanged until :meth:`settle`; nothing else may take or return pages in between."""
         pages = self.free_pages[len(self.free_pages) - min(count, len(self.free_pages)):]
-        return PageLoan(torch.tensor(pages, dtype=torch.int32), torch.tensor([len(pages)]))
+        return PageLoan(torch.tensor(pages, dtype=torch.int32, device="cpu"), torch.tensor([len(pages)], device="cpu"))
 
     def settle(self, loan: PageLoan) -> None:
         """Take the pages the ops took from ``loan`` (the last ``m - left`` of the free list) off the free list and

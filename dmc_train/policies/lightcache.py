@@ -184,8 +184,8 @@ def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: i
     n, g, t, c = scores.shape
     k = min(top_k, c)
     if k == 0:
-        return torch.zeros(n, t, c, dtype=torch.bool)
-    index = torch.arange(c)
+        return torch.zeros(n, t, c, dtype=torch.bool, device=scores.device)
+    index = torch.arange(c, device=scores.device)
     exists = index < available[..., None]  # [N, T, C]
     count = available.clamp(max=k)  # [N, T] centres
     votes = top_mask(scores, count[:, None].expand(n, g, t), exists[:, None].expand(n, g, t, c)).sum(1)
@@ -196,7 +196,7 @@ def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: i
     start = (index - segment // 2).clamp(min=0)
     start = torch.minimum(start, (available[..., None] - segment).clamp(min=0))  # [N, T, C]
     end = torch.minimum(start + segment, available[..., None])
-    edges = torch.zeros(n, t, c + 1)
+    edges = torch.zeros(n, t, c + 1, device=scores.device)
     edges.scatter_add_(-1, start, centres.float()).scatter_add_(-1, end, -centres.float())
     return edges.cumsum(-1)[..., :c] > 0.5
 
@@ -218,7 +218,7 @@ class Context:
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x [N, L, c]`` at ``index [N, ...]`` -> ``[N, ..., c]``."""
-    rows = torch.arange(x.shape[0]).view(-1, *([1] * (index.dim() - 1)))
+    rows = torch.arange(x.shape[0], device=x.device).view(-1, *([1] * (index.dim() - 1)))
     return x[rows, index]
 
 
@@ -249,12 +249,14 @@ def _selected(q, pos, ctx: Context, pk, pv, s: Settings):
     c = ctx.kc.shape[1]
     width = min(s.top_k * s.segment, c)
     if width == 0:
-        return (x.new_zeros(n, t, 0, x.shape[-1]) for x in (ctx.k, ctx.v)), torch.zeros(n, t, dtype=torch.long)
+        return ((x.new_zeros(n, t, 0, x.shape[-1]) for x in (ctx.k, ctx.v)),
+                torch.zeros(n, t, dtype=torch.long, device=q.device))
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.einsum("ngtr,ncr->ngtc", compress(q, pk).to(acc), ctx.kc.to(acc))
     chosen = select(scores, (pos + 1 - s.global_ - s.local).clamp(min=0), s.top_k, s.segment)  # [N, T, C]
     slot = torch.where(chosen, chosen.cumsum(-1) - 1, width)  # packed place of each chosen entry (width: none)
-    index = torch.zeros(n, t, width + 1, dtype=torch.long).scatter_(-1, slot, torch.arange(c).expand(n, t, c))
+    index = torch.zeros(n, t, width + 1, dtype=torch.long, device=q.device).scatter_(
+        -1, slot, torch.arange(c, device=q.device).expand(n, t, c))
     index = index[..., :width]
     k = decompress(gather_rows(ctx.kc, index), pk)
     return (k, decompress(ctx.values(index), pv)), chosen.sum(-1)
@@ -264,7 +266,8 @@ def _window_block(q, t0, ctx: Context, pk, pv, s: Settings, rotate: Rotate, scal
     n, g, t, d = q.shape
     glob, loc = s.global_, s.local
     acc = torch.promote_types(q.dtype, torch.float32)  # bf16 / fp16 models attend in fp32
-    pos = t0[:, None] + torch.arange(t)  # [N, T] token position of each query
+    on = {"device": q.device}
+    pos = t0[:, None] + torch.arange(t, **on)  # [N, T] token position of each query
     (k_sel, v_sel), n_sel = _selected(q, pos, ctx, pk, pv, s)
     n_glob = (pos + 1).clamp(max=glob)
     n_loc = (pos + 1 - glob).clamp(min=0, max=loc)
@@ -273,17 +276,17 @@ def _window_block(q, t0, ctx: Context, pk, pv, s: Settings, rotate: Rotate, scal
         return rotate(q, where[:, None, :]).to(acc)
 
     # global: window positions 0 .. g-1
-    k_glob = rotate(ctx.k[:, :glob], torch.arange(glob)).to(acc)
+    k_glob = rotate(ctx.k[:, :glob], torch.arange(glob, **on)).to(acc)
     logits = [torch.einsum("ngtd,nid->ngti", query_at(n_glob + n_sel + n_loc - 1), k_glob)]
-    masks = [torch.arange(glob) < n_glob[..., None]]
+    masks = [torch.arange(glob, **on) < n_glob[..., None]]
     # selected: entry j against the query at n_sel + n_loc - 1
     width = k_sel.shape[2]
-    k_sel = rotate(k_sel, torch.arange(width)).to(acc)
+    k_sel = rotate(k_sel, torch.arange(width, **on)).to(acc)
     logits.append(torch.einsum("ngtd,ntjd->ngtj", query_at(n_sel + n_loc - 1), k_sel))
-    masks.append(torch.arange(width) < n_sel[..., None])
+    masks.append(torch.arange(width, **on) < n_sel[..., None])
     # local: tokens first .. first + span - 1 cover every query's local part; own positions
     first = (t0 - loc + 1).clamp(min=glob)  # [N]
-    tokens = first[:, None] + torch.arange(t + loc - 1)  # [N, span]
+    tokens = first[:, None] + torch.arange(t + loc - 1, **on)  # [N, span]
     slots = (glob + tokens - ctx.recent_start[:, None]).clamp(min=0, max=ctx.k.shape[1] - 1)
     k_loc = rotate(gather_rows(ctx.k, slots), tokens).to(acc)
     logits.append(torch.einsum("ngtd,nud->ngtu", query_at(pos), k_loc))
@@ -323,11 +326,12 @@ class LightCache:
         b, h, n, d = q.shape
         hk, glob = k.shape[1], self.settings.global_
         rows = b * hk
-        pk, pv = self.projections.rows(layer, torch.arange(hk).repeat(b))
+        on = {"device": q.device}
+        pk, pv = self.projections.rows(layer, torch.arange(hk, **on).repeat(b))
         kr, vr = k.reshape(rows, n, d), v.reshape(rows, n, -1)
         vc = compress(vr[:, glob:], pv)
-        ctx = Context(kr, vr, torch.full((rows,), glob), compress(kr[:, glob:], pk),
+        ctx = Context(kr, vr, torch.full((rows,), glob, **on), compress(kr[:, glob:], pk),
                       lambda index: gather_rows(vc, index))
-        out = window_attention(q.reshape(rows, h // hk, n, d), torch.zeros(rows, dtype=torch.long), ctx, pk, pv,
+        out = window_attention(q.reshape(rows, h // hk, n, d), torch.zeros(rows, dtype=torch.long, **on), ctx, pk, pv,
                                self.settings, info.rotate, self.scale)
         return out.reshape(b, h, n, -1)

@@ -43,7 +43,7 @@ def hamming_sums_fits(queries, codes) -> bool:
 def hamming_sums_cpu(queries: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """:func:`kernels.eviction.hamming_sums` by the compiled kernel (uint8, contiguous)."""
     *lead, n, length, nbytes = codes.shape
-    out = torch.empty(*lead, n, length, dtype=torch.int32)
+    out = torch.empty(*lead, n, length, dtype=torch.int32, device="cpu")
     library().hamming_sums_u8(queries.data_ptr(), codes.data_ptr(), out.numel() // max(n * length, 1), n,
                               queries.shape[1], length, nbytes, out.data_ptr())
     return out
@@ -53,7 +53,7 @@ def victims_cpu(priority, positions, newest, sink: int, recent: int) -> torch.Te
     """:func:`kernels.eviction.victims` by the compiled kernel (fp32 priority, int64 or int32 positions, int64 newest,
     all contiguous)."""
     *lead, n, length = priority.shape
-    out = torch.empty(*lead, n, dtype=torch.int64)
+    out = torch.empty(*lead, n, dtype=torch.int64, device="cpu")
     op = library().victims_f32 if positions.dtype == torch.int64 else library().victims_f32_i32
     op(priority.data_ptr(), positions.data_ptr(), newest.data_ptr(), out.numel() // max(n, 1), n, length, sink, recent,
        out.data_ptr())

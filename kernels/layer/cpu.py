@@ -72,7 +72,7 @@ def packed(w: torch.Tensor) -> torch.Tensor:
     if version != w._version:
         (k, n), s = w.shape, library().strip
         strips = -(-n // s)
-        copy = torch.zeros(k, strips * s)
+        copy = torch.zeros(k, strips * s, device="cpu")
         copy[:, :n] = w
         copy = copy.view(k, strips, s).transpose(0, 1).contiguous()
         _PACKED[w] = (w._version, copy)
@@ -135,11 +135,11 @@ def rms_norm_matmul_cpu(x, weight, eps: float, w, rope=None, rope_heads: int = 0
         ok &= (cos.shape == (t, d) and sin.dim() == 3 and sin.shape[0] == t and sin.shape[1] in (1, rope_heads)
                and sin.shape[2] == d and d % 2 == 0 and rope_heads * d <= n and (channel is None or 0 <= channel < d))
     _check("rms_norm_matmul", ok, {"x": x, "weight": weight, "w": w, **dict(zip(("cos", "sin"), rope or ()))})
-    y = torch.empty(t, n)
+    y = torch.empty(t, n, device="cpu")
     if rope is None:  # the channel's values are a view of the output
         cos = sin = channel_values = None
     else:
-        (cos, sin), channel_values = rope, None if channel is None else torch.empty(t, rope_heads)
+        (cos, sin), channel_values = rope, None if channel is None else torch.empty(t, rope_heads, device="cpu")
     if _threaded().rms_norm_matmul_f32(
             x.data_ptr(), weight.data_ptr(), eps, *_weight(w, t), y.data_ptr(), t, h, n,
             None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
@@ -159,7 +159,7 @@ def layer_output_cpu(x, attn, o_w, weight, eps: float, gate_up_w, down_w, all_re
     _check("layer_output", attn.shape[0] == t and o_w.shape == (a, h) and weight.shape == (h,)
            and gate_up_w.shape == (h, 2 * f) and down_w.shape == (f, h),
            {"x": x, "attn": attn, "o_w": o_w, "weight": weight, "gate_up_w": gate_up_w, "down_w": down_w})
-    y = torch.empty(t, h)
+    y = torch.empty(t, h, device="cpu")
     if _threaded().layer_output_f32(x.data_ptr(), attn.data_ptr(), *_weight(o_w, t), weight.data_ptr(), eps,
                                   *_weight(gate_up_w, t), *_weight(down_w, t), y.data_ptr(), t, h, a, f):
         raise _out_of_memory("layer_output", t)
@@ -177,7 +177,7 @@ def layer_decode_cpu(x, norm_in, eps: float, qkv_w, rope, rope_heads: int, head_
           and down_w.shape[1] == h and (channel is None or 0 <= channel < head_dim))
     _check("layer_decode", ok, {"x": x, "qkv_w": qkv_w, "cos": cos, "sin": sin, "o_w": o_w, "gate_up_w": gate_up_w,
                                 "down_w": down_w})
-    y = torch.empty(t, h)
+    y = torch.empty(t, h, device="cpu")
     code = _threaded().layer_decode_f32(
         x.data_ptr(), norm_in.data_ptr(), eps, *_weight(qkv_w, t), t, h, n, cos.data_ptr(), sin.data_ptr(),
         sin.shape[1], rope_heads, head_dim, -1 if channel is None else channel, attention.function, attention.context,
@@ -194,7 +194,7 @@ def layer_attend_output_cpu(x, heads, attention, o_w, weight, eps: float, gate_u
     _check("layer_attend_output", heads.shape[0] == t and o_w.shape == (attention.width, h) and weight.shape == (h,)
            and gate_up_w.shape == (h, 2 * f) and down_w.shape == (f, h),
            {"x": x, "heads": heads, "o_w": o_w, "gate_up_w": gate_up_w, "down_w": down_w})
-    y = torch.empty(t, h)
+    y = torch.empty(t, h, device="cpu")
     code = _threaded().layer_attend_output_f32(x.data_ptr(), heads.data_ptr(), attention.function, attention.context,
                                              attention.width, *_weight(o_w, t), weight.data_ptr(), eps,
                                              *_weight(gate_up_w, t), *_weight(down_w, t), t, h, f, y.data_ptr())

@@ -101,10 +101,10 @@ def paged_attention_cpu(q, k_pages, v_pages, block_table, seq_lens, scale: float
         table = table.contiguous()
     lens = seq_lens if seq_lens.dtype in (torch.int32, torch.int64) else seq_lens.to(torch.int64)
     lens = lens.contiguous()
-    out = torch.empty(R, G, dv)
-    lse = torch.empty(R, G) if return_lse else None
+    out = torch.empty(R, G, dv, device="cpu")
+    lse = torch.empty(R, G, device="cpu") if return_lse else None
     width = int(lens.max()) if scores is not None and R else 0
-    s = torch.empty(R, width) if scores is not None else None
+    s = torch.empty(R, width, device="cpu") if scores is not None else None
     failed = library().paged_decode_f32(
         q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table.data_ptr(), table.stride(0) if R else 0,
         lens.data_ptr(), lens.dtype == torch.int32, R, G, d, dv, k_pages.shape[1], scale, out.data_ptr(), _ptr(lse),
@@ -215,7 +215,7 @@ def dmc_cache_update_cpu(k_pages, v_pages, block_table, seq_lens, rows, alpha, o
     """:func:`kernels.paged.dmc_cache_update` by the compiled kernel (inputs as there; :func:`decode_step_fits`)."""
     args, _alive = _step_args(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
                               open_tokens, spare, spare_left)
-    lens = torch.empty(rows.shape[0], dtype=torch.int32)
+    lens = torch.empty(rows.shape[0], dtype=torch.int32, device="cpu")
     _check_pages_taken(library().dmc_update_f32(*args, lens.data_ptr()), spare_left, block_table.shape[1])
     return lens
 
@@ -237,7 +237,7 @@ def decode_step_cpu(k_pages, v_pages, block_table, seq_lens, rows, k, v, q, scal
                               open_tokens, spare, spare_left)
     n, groups, _ = q.shape
     q = q.contiguous()
-    out = torch.empty(n, groups, v_pages.shape[-1])
+    out = torch.empty(n, groups, v_pages.shape[-1], device="cpu")
     failed = library().decode_step_f32(*args, q.data_ptr(), groups, scale, out.data_ptr(), torch.get_num_threads())
     _check_pages_taken(failed, spare_left, block_table.shape[1])
     return out

@@ -29,6 +29,6 @@ def argmax_fits(logits: torch.Tensor) -> bool:
 
 def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
     """:func:`kernels.sampling.argmax` by the compiled kernel (fp32, rows with a unit stride along the vocabulary)."""
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device="cpu")
     library().argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
     return out

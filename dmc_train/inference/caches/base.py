@@ -253,7 +253,7 @@ class KVCache:
     def prefill_pages_bound(self, n: int) -> int:
         """Most pages a prefill of ``n`` tokens can take: every row of the sequence holding all of them (no
         cache keeps more entries than tokens at prefill; a cache with ``prefill_chunk`` is never batched)."""
-        return self.num_layers * self.num_kv_heads * int(self.pool.pages_for(torch.tensor(n)))
+        return self.num_layers * self.num_kv_heads * -(-n // self.pool.page_size)
 
     def batch_rows(self, seq_ids: list[int]) -> torch.Tensor:
         """Rows ``[B, layers, H_kv]`` of ``seq_ids`` (stacked once per batch, reused by every layer)."""
