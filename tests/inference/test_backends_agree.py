@@ -15,10 +15,10 @@ from tests.inference.conftest import SHAPE
 from tests.inference.test_less_cache import less_weights
 from tests.inference.test_lightcache import SMALL
 
-# Found by this test, not yet explained: Knorm (at a tight pool) and LightCache (past 24 generated tokens) generate other
-# tokens under the compiled CPU kernels than under the PyTorch paths. LightCache's teacher-forced logits agree to 3e-6
-# for 23 positions, then differ by up to 1.4 (a discrete choice, its top-k segment selection, taken differently from
-# inputs that differ by rounding?); the other caches agree exactly. Marked until explained (xfail, not strict: at
+# Found by this test, not yet explained: Knorm (at a tight pool) and LightCache (past 24 generated tokens) generate
+# other tokens under the compiled CPU kernels than under the PyTorch paths. LightCache's teacher-forced logits agree to
+# 3e-6 for 23 positions, then differ by up to 1.4 (a discrete choice, its top-k segment selection, taken differently
+# from inputs that differ by rounding?); the other caches agree exactly. Marked until explained (xfail, not strict: at
 # these 12 tokens LightCache may agree).
 DIVERGES = "generates other tokens on cpu_compiled than on torch (open)"
 XFAIL = pytest.mark.xfail(reason=DIVERGES)
