@@ -12,9 +12,9 @@ training step: speed does not depend on what the weights learned): ``base``, its
 pooling model), ``h2o``, ``tova``, ``lsh_e`` (base, ``--budget`` entries per KV head: they evict from the first
 decoded token on), ``less_free`` is not here (LESS needs a trained run).
 
-One worker process per checkout (the same script, ``--worker <root>``: that checkout's ``dmc_train`` and ``kernels``
-first on the path) builds every engine once and generates once untimed (compiles, warms up). The controller then asks
-them in turn, A B B A ..., for one generation of each cache per round: ``--batch`` prompts of ``--prompt`` tokens
+One worker process per checkout (the same script, ``--worker <root>``, that checkout first on ``PYTHONPATH``: its
+``dmc_train`` and ``kernels``) builds every engine once and generates once untimed (compiles, warms up). The
+controller then asks them in turn, A B B A ..., for one generation of each cache per round: ``--batch`` prompts of ``--prompt`` tokens
 (held-out Shakespeare), ``--new`` tokens each, greedy; an answer is that generation's decode seconds (the engine's
 ``stats["decode_s"]``: its decode forwards only). Printed per cache: the median over rounds of this checkout's
 decode time / the baseline's, its 10th-90th percentile, the baseline's median milliseconds per step, and whether the
@@ -78,8 +78,8 @@ def checkout(revision: str) -> str:
 
 def worker(root: str, spec: dict) -> None:
     """Build the engines of ``spec`` with the checkout at ``root``, then answer ``<cache>`` lines on stdin with the
-    decode seconds of one generation (module docstring)."""
-    sys.path.insert(0, root)
+    decode seconds of one generation (module docstring). The worker was started with ``root`` first on
+    ``PYTHONPATH``, so its imports are that checkout's (checked by the controller)."""
     import torch
 
     from dmc_train.inference.engine import Engine
@@ -139,7 +139,7 @@ def main() -> None:
     for side, root in roots.items():
         w = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", root], cwd=ROOT, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             env={**os.environ, "PYTHONWARNINGS": "ignore"})  # megatron's import notes
+                             env={**os.environ, "PYTHONPATH": root, "PYTHONWARNINGS": "ignore"})  # warnings: megatron's
         w.stdin.write(json.dumps(spec) + "\n")
         w.stdin.flush()
         workers[side] = w
