@@ -14,11 +14,12 @@ decoded token on), ``less_free`` is not here (LESS needs a trained run).
 
 One worker process per checkout (the same script, ``--worker <root>``, that checkout first on ``PYTHONPATH``: its
 ``dmc_train`` and ``kernels``) builds every engine once and generates once untimed (compiles, warms up). The
-controller then asks them in turn, A B B A ..., for one generation of each cache per round: ``--batch`` prompts of ``--prompt`` tokens
-(held-out Shakespeare), ``--new`` tokens each, greedy; an answer is that generation's decode seconds (the engine's
-``stats["decode_s"]``: its decode forwards only). Printed per cache: the median over rounds of this checkout's
-decode time / the baseline's, its 10th-90th percentile, the baseline's median milliseconds per step, and whether the
-median is within ``--tolerance`` (default 5 %). Both workers run one at a time with the same threads.
+controller then asks them in turn, A B B A ..., for one generation of each cache per round: ``--batch`` prompts of
+``--prompt`` tokens (held-out Shakespeare), ``--new`` tokens each, greedy; an answer is that generation's decode
+seconds (the engine's ``stats["decode_s"]``: its decode forwards only). Printed per cache: the median over rounds of
+this checkout's decode time / the baseline's, its 10th-90th percentile, the baseline's median milliseconds per step,
+and whether the median is within ``--tolerance`` (default 5 %). Both workers run one at a time with the same
+threads.
 """
 
 import argparse
