@@ -15,12 +15,13 @@ from tests.inference.conftest import SHAPE
 from tests.inference.test_less_cache import less_weights
 from tests.inference.test_lightcache import SMALL
 
-# Found by this test, not yet explained: Knorm (at a tight pool) and LightCache (past 24 generated tokens) generate
-# other tokens under the compiled CPU kernels than under the PyTorch paths. LightCache's teacher-forced logits agree to
-# 3e-6 for 23 positions, then differ by up to 1.4 (a discrete choice, its top-k segment selection, taken differently
-# from inputs that differ by rounding?); the other caches agree exactly. Marked until explained (xfail, not strict: at
-# these 12 tokens LightCache may agree).
-DIVERGES = "generates other tokens on cpu_compiled than on torch (open)"
+# Knorm (at a tight pool) and LightCache (past 24 generated tokens) generate other tokens under the compiled CPU
+# kernels than under the PyTorch paths: a discrete choice at a near-tie (Knorm's key-norm ranking, LightCache's top-k
+# segments), which rounding decides. Measured: their teacher-forced logits agree to 4e-6 until one position, then
+# differ by up to 2; adding 1e-6 noise to the weights on the PyTorch path alone moves the same positions by as much.
+# So exact tokens are not expected of them (xfail, not strict: at these 12 tokens they may agree); every other cache
+# agrees exactly.
+DIVERGES = "a near-tie in its discrete choice, decided by rounding (a 1e-6 change of the weights flips it too)"
 XFAIL = pytest.mark.xfail(reason=DIVERGES)
 CASES = [  # pytest.param(model variant, cache, options, id=...)
     pytest.param("full", "full", {}, id="full"),
