@@ -1,10 +1,10 @@
 """No tensor the inference side creates lands off the model's device: on a GPU every factory call without a device
 (``torch.arange(n)``, ``torch.zeros(...)``) makes a CPU tensor, and the next op mixing it with the model's tensors
 fails there. Caught here on CPU: the engine generates (every cache, on the PyTorch paths a GPU runs; on a GPU the
-Triton kernels' too) and the teacher-forced forms run (every policy,
-LightCache) with PyTorch's default device set to ``meta``, so a tensor made without a device is a meta tensor, and
-:class:`NoMeta` names the call that made it. Host-side tensors (the pages lent to a step, the compiled CPU kernels'
-outputs, token ids on their way in) say ``device="cpu"``."""
+Triton kernels' too), the teacher-forced forms run (every policy, LightCache) and transformers' ``generate`` runs
+with a ``PolicyCache`` (every policy), with PyTorch's default device set to ``meta``, so a tensor made without a
+device is a meta tensor, and :class:`NoMeta` names the call that made it. Host-side tensors (the pages lent to a
+step, the compiled CPU kernels' outputs, token ids on their way in) say ``device="cpu"``."""
 
 import traceback
 
@@ -75,3 +75,16 @@ def test_the_teacher_forced_forms_make_every_tensor_on_their_device(make_model, 
         scorer = build_scorer(policy, {"budget": 8}, SHAPE.head_dim, SHAPE.num_heads // SHAPE.num_kv_heads,
                               model.scale)
     off_device_check(lambda: model.forward_with_policy(tokens, scorer, 8, prompt_len=10))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_transformers_generate_with_a_policy_cache_makes_every_tensor_on_its_device(device, policy):
+    from dmc_train.inference.hf_policy_cache import PolicyCache
+    from tests.inference.conftest import random_weights
+    from tests.inference.test_hf_policy_cache import SHAPE as HF_SHAPE
+    from tests.inference.test_hf_policy_cache import hf_llama
+
+    model = hf_llama(random_weights(HF_SHAPE)).to(device)
+    ids = torch.tensor([PROMPTS[2], PROMPTS[2][::-1]], device=device)
+    cache = PolicyCache(model, policy, budget=16, max_new_tokens=6)
+    off_device_check(lambda: model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False))
