@@ -43,7 +43,7 @@ def samples_of(dataset, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """The first ``count`` samples (0 = all) as ``tokens, labels, loss_mask``, each ``[count, seq_length]``."""
     count = len(dataset) if not count else min(count, len(dataset))
     samples = [dataset[i] for i in range(count)]
-    return tuple(torch.stack([torch.as_tensor(s[key]) for s in samples]).long()
+    return tuple(torch.stack([torch.as_tensor(s[key], device="cpu") for s in samples]).long()  # host: data
                  for key in ("tokens", "labels", "loss_mask"))
 
 

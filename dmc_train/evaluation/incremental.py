@@ -24,7 +24,7 @@ def teacher_forced_decode(model, cache, sequences: Sequence[torch.Tensor], promp
         if not active:
             return [torch.cat(parts) for parts in logits]
         out = model.decode(cache, active, torch.stack([sequences[i][pos[i]] for i in active]),
-                           torch.tensor([pos[i] for i in active]))
+                           torch.tensor([pos[i] for i in active], device=model.device))
         for row, i in enumerate(active):
             logits[i].append(out[row: row + 1])
             if on_step is not None:

@@ -2,9 +2,10 @@
 (``torch.arange(n)``, ``torch.zeros(...)``) makes a CPU tensor, and the next op mixing it with the model's tensors
 fails there. Caught here on CPU: the engine generates (every cache, on the PyTorch paths a GPU runs; on a GPU the
 Triton kernels' too), the teacher-forced forms run (every policy, LightCache) and transformers' ``generate`` runs
-with a ``PolicyCache`` (every policy), with PyTorch's default device set to ``meta``, so a tensor made without a
-device is a meta tensor, and :class:`NoMeta` names the call that made it. Host-side tensors (the pages lent to a
-step, the compiled CPU kernels' outputs, token ids on their way in) say ``device="cpu"``."""
+with a ``PolicyCache`` (every policy), and the evaluation harness measures a few caches, with PyTorch's default
+device set to ``meta``, so a tensor made without a device is a meta tensor, and :class:`NoMeta` names the call that
+made it. Host-side tensors (the pages lent to a step, the compiled CPU kernels' outputs, token ids on their way in)
+say ``device="cpu"``."""
 
 import traceback
 
@@ -88,3 +89,33 @@ def test_transformers_generate_with_a_policy_cache_makes_every_tensor_on_its_dev
     ids = torch.tensor([PROMPTS[2], PROMPTS[2][::-1]], device=device)
     cache = PolicyCache(model, policy, budget=16, max_new_tokens=6)
     off_device_check(lambda: model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False))
+
+
+class Samples:
+    """Three samples of 32 tokens in the layout of the project's datasets (numpy arrays)."""
+
+    def __init__(self):
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        self.tokens = rng.integers(0, SHAPE.vocab_size, (3, 33))
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        return {"tokens": self.tokens[i, :-1], "labels": self.tokens[i, 1:], "loss_mask": np.ones(32, np.float32)}
+
+
+@pytest.mark.parametrize("variant, cache, options", [("full", "full", {}), ("dmc_exact", "dmc", {}),
+                                                     ("full", "h2o", {"budget": 8}),
+                                                     ("full", "tova", {"budget": 8, "schedule": "prefill"}),
+                                                     ("full", "lightcache", SMALL)])
+def test_the_evaluation_harness_makes_every_tensor_on_its_device(make_model, variant, cache, options):
+    from dmc_train.evaluation.harness import evaluate_cache
+
+    model = make_model(variant)
+    off_device_check(lambda: evaluate_cache(model, Samples(), cache, dict(options), prompt_len=8, batch_size=2,
+                                            incremental_sequences=1, kv_budget_seqs=0))
