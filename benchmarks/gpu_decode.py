@@ -39,6 +39,8 @@ import time
 import torch
 from inference import copy_bandwidth, synchronize, weight_bytes  # benchmarks/inference.py (this directory)
 
+from dmc_train.inference.model import DTYPES
+
 SHAPES = {  # (layers, hidden, ffn, heads, vocab, rope base)
     "llama2_7b": (32, 4096, 11008, 32, 32000, 10000.0),
     "tiny": (4, 256, 688, 8, 4096, 10000.0),
@@ -198,8 +200,6 @@ def plot(results: list[dict], args) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "gpu_decode.png"), dpi=120)
 
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main() -> None:

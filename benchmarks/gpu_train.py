@@ -35,6 +35,7 @@ import tempfile
 import time
 
 import torch
+from inference import copy_bandwidth  # benchmarks/inference.py (this script's directory is on sys.path)
 
 METHODS = {
     "vanilla": ["method=none"],
@@ -232,14 +233,6 @@ def attention_times(candidates: dict, lengths: list[int]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    x = torch.randn(2**28, device="cuda")  # 1 GiB
-    y = torch.empty_like(x)
-    ms = _bench(lambda: y.copy_(x))
-    return 2 * x.numel() * 4 / (ms * 1e-3)
-
-
 def accumulation_times(lengths: list[int]) -> list[dict]:
     from kernels.dmc import partial_accumulation
     from kernels.dmc.accumulation import partial_accumulation_torch
@@ -387,7 +380,7 @@ def main() -> None:
         results["attention_errors"] = attention_errors(candidates)
         results["attention"] = attention_times(candidates, args.lengths)
     if "accumulation" in args.parts:
-        results["copy_bytes_per_s"] = copy_bandwidth()
+        results["copy_bytes_per_s"] = copy_bandwidth(1024, 5, "cuda")  # 1 GiB, device to device
         print(f"partial accumulation, [1, 32, n, 128] bf16 (copy bandwidth {results['copy_bytes_per_s'] / 1e9:.0f} "
               f"GB/s):", flush=True)
         results["accumulation"] = accumulation_times(args.lengths)
