@@ -6,7 +6,7 @@ per layer, so that :class:`~dmc_train.inference.model.LlamaForInference` holds n
     hook = method.decisions(head_counts, head_dim, dtype, device)     # a DMCDecisions, once per model
     rule = hook.rule(positions)                           # once per forward: what every layer shares
     alpha, omega = hook.decide(channel_values, rule, positions)   # a layer's hard decisions [t, H_kv]
-    hook.hand_to(call, rule)                              # or let a layer's compiled call take them itself
+    hook.hand_to(call, rule)                              # or a layer's compiled call takes them itself
 
 The decisions are training's evaluation functions (:mod:`kernels.dmc.decisions`), bit for bit. A model with a
 decision channel ``c`` also takes from here the masks that zero it: ``keep [d]`` and ``rope_masks`` (the RoPE tables'
@@ -125,16 +125,19 @@ class DMCDecisions:
         alpha, omega = torch.where(logit > threshold, one, zero), decisions.importance(q_dec, offset, eps)
         return alpha.transpose(1, 2).reshape(-1, hk), omega.transpose(1, 2).reshape(-1, hk)  # rows [t, H_kv]
 
-    def hand_to(self, call: Any, rule: Any) -> bool:
-        """Hand a layer's compiled attention (``KVCache.compiled_attention``) its decisions: fixed pooling's of the
+    @property
+    def decides_in_call(self) -> bool:
+        """Whether a layer's compiled call (``KVCache.compiled_attention``) takes its decisions itself
+        (:meth:`hand_to`): fixed pooling's and DMC's, not HardC's, whose heads decide together (:meth:`decide` then
+        runs between two calls)."""
+        return not (self.settings.pool is None and self.settings.shared)
+
+    def hand_to(self, call: Any, rule: Any) -> None:
+        """Hand a layer's compiled attention its decisions (where :attr:`decides_in_call`): fixed pooling's of the
         forward, or DMC's rule (the threshold, offset and epsilon) to take them in the call from the decision channel
-        (alpha exactly PyTorch's; omega's sigmoid in C, within a few ulp of :meth:`decide`). False for HardC, whose
-        heads decide together: then :meth:`decide` runs between two calls."""
+        (alpha exactly PyTorch's; omega's sigmoid in C, within a few ulp of :meth:`decide`)."""
         st = self.settings
         if st.pool is not None:
             call.with_decisions(*rule)
-            return True
-        if st.shared:
-            return False
-        call.deciding(rule, st.decision_threshold, st.init_offset, st.omega_eps)
-        return True
+        else:
+            call.deciding(rule, st.decision_threshold, st.init_offset, st.omega_eps)

@@ -33,6 +33,7 @@ are its sequences, handed to the cache as ``[B, heads, d]``); an attention given
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -208,35 +209,63 @@ class LlamaForInference:
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Callable[..., torch.Tensor],
                 raw_qk: bool = False, compiled: Optional[Callable[[int], Any]] = None) -> torch.Tensor:
         """The hidden states ``[t, hidden]`` after the last layer of ``tokens [t]`` at ``positions [b, n]`` (rows =
-        tokens, ``t = b n``). Per layer: the heads (:meth:`LlamaLayer.attention_input`), the method's decisions from
-        them before RoPE (its hook ``self.decisions``: DMC's :meth:`DMCDecisions.decide`), q and k rotated
-        (:meth:`_split_heads`), then ``attention(layer, q [t, H, d], k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega)
-        -> [t, H d_v]`` (``alpha``, ``omega [t, H_kv]``; None without decisions) and the rest of the layer. What every
-        layer shares (RoPE tables, the decision rule) is computed once, here. ``compiled(layer)``: the layer's
-        attention as a compiled function (a decode step's, ``KVCache.compiled_attention``) or None; with one the whole
-        layer is one call (:meth:`LlamaLayer.decode_with`), or two with DMC's decisions between, or the cache's own
-        work on the heads (a ``HeadsFirst``: an eviction policy whose victims read the query)
-        (:meth:`LlamaLayer.attend_output_with`)."""
+        tokens, ``t = b n``), every layer run by the one route :meth:`_route` chooses for the forward.
+        ``compiled(layer)``: the layer's attention as a compiled function (a decode step's,
+        ``KVCache.compiled_attention``, asked just before the layer runs) or None."""
+        calls = (None if compiled is None else compiled(layer.index) for layer in self.layers)
+        first = next(calls)
+        route = self._route(first, positions, attention, raw_qk)
+        x = self.embed[tokens]
+        for layer, call in zip(self.layers, itertools.chain((first,), calls)):
+            x = route(layer, x, call)
+        return x
+
+    def _route(self, call: Any, positions: torch.Tensor, attention: Callable[..., torch.Tensor],
+               raw_qk: bool) -> Callable[[LlamaLayer, torch.Tensor, Any], torch.Tensor]:
+        """How every layer of a forward runs, chosen once from the first layer's compiled attention ``call`` (the
+        same kind for every layer of a step): ``run(layer, x [t, hidden], call) -> [t, hidden]``. What every layer
+        shares (RoPE tables, the method's decision rule) is computed here, once.
+
+        - no call: the heads (:meth:`LlamaLayer.attention_input`), the method's decisions from them before RoPE
+          (its hook ``self.decisions``: DMC's :meth:`DMCDecisions.decide`), q and k rotated (:meth:`_split_heads`),
+          ``attention(layer, q [t, H, d], k [t, H_kv, d], v [t, H_kv, d_v], alpha, omega) -> [t, H d_v]``
+          (``alpha``, ``omega [t, H_kv]``; None without decisions), then :meth:`LlamaLayer.attention_output`;
+        - a call that needs the projected heads (a ``HeadsFirst``: an eviction policy whose victims read the query)
+          or decisions it cannot take itself (HardC's, whose heads decide together): those first, then the rest of
+          the layer in one call (:meth:`LlamaLayer.attend_output_with`);
+        - else the whole layer in one call (:meth:`LlamaLayer.decode_with`), the decisions (if any) taken in it."""
         split, rope_in_input = self._split_heads(positions, raw_qk)
-        all_reduce = None if self.group is None else self._all_reduce
         hook = self.decisions
         rule = None if hook is None else hook.rule(positions)
         channel = None if hook is None else hook.channel
-        x = self.embed[tokens]
-        for layer in self.layers:
-            call = None if compiled is None else compiled(layer.index)
-            first = isinstance(call, HeadsFirst)
-            if call is not None and not first and (hook is None or hook.hand_to(call, rule)):
-                x = layer.decode_with(x, rope_in_input, call, channel)
-                continue
+
+        def heads_and_decisions(layer, x):
             heads, channel_values = layer.attention_input(x, rope_in_input, channel)
-            alpha, omega = (None, None) if hook is None else hook.decide(channel_values, rule, positions)
-            if call is not None:  # the cache reads the heads first, or HardC's decisions; the rest is one call
-                call = call.build(heads) if first else call.with_decisions(alpha, omega)
-                x = layer.attend_output_with(x, heads, call)
-                continue
-            x = layer.attention_output(x, attention(layer.index, *split(heads), alpha, omega), all_reduce)
-        return x
+            return heads, (None, None) if hook is None else hook.decide(channel_values, rule, positions)
+
+        if call is None:
+            all_reduce = None if self.group is None else self._all_reduce
+
+            def plain(layer, x, _):
+                heads, decisions = heads_and_decisions(layer, x)
+                return layer.attention_output(x, attention(layer.index, *split(heads), *decisions), all_reduce)
+            return plain
+        if isinstance(call, HeadsFirst):
+            def heads_first(layer, x, call):
+                heads = layer.attention_input(x, rope_in_input)[0]
+                return layer.attend_output_with(x, heads, call.build(heads))
+            return heads_first
+        if hook is not None and not hook.decides_in_call:
+            def decisions_first(layer, x, call):
+                heads, decisions = heads_and_decisions(layer, x)
+                return layer.attend_output_with(x, heads, call.with_decisions(*decisions))
+            return decisions_first
+
+        def one_call(layer, x, call):
+            if hook is not None:
+                hook.hand_to(call, rule)
+            return layer.decode_with(x, rope_in_input, call, channel)
+        return one_call
 
     def _split_heads(self, positions: torch.Tensor, raw_qk: bool):
         """``(split, rope)``: ``split(heads [t, H + 2 H_kv, d]) -> (q, k, v)`` ``[t, heads, d]`` (views of one layer's
