@@ -216,13 +216,27 @@ class KVCache:
         """Layer ``layer``'s part of an appending ``step``: each row's new entry ``k [B, H_kv, d]``, ``v [B, H_kv,
         d_v]`` stored (in the kernel call with the step's lent pages, or at its planned slot), then the attention of
         ``q [B, H, d]`` over the rows, new entries included -> ``[B * H_kv, G, d_v]``."""
-        b, h, d = q.shape
-        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
         if step.loan is None:
-            return self.pool.attend_planned(step.plan, q, self.scale, index=layer, append=(k, v, step.flat[layer]))
+            return self.attend_planned(step, layer, q, (k, v, step.flat[layer]))
+        b, h, d = q.shape
         pool = self.pool
         return paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens, step.rows[layer], k,
-                                   v, q, self.scale, *step.loan)
+                                   v, q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d), self.scale,
+                                   *step.loan)
+
+    def attend_planned(self, step: DecodeStep, layer: int, q: torch.Tensor,
+                       append: tuple[torch.Tensor, torch.Tensor, torch.Tensor], **outputs):
+        """The attention of ``q [B, H, d]`` over layer ``layer``'s rows of a planned ``step`` (loan None; its plan:
+        :meth:`step_plan`), each row's new entry ``append = (k, v, flat slots [N])`` written first -> ``[B * H_kv, G,
+        d_v]``, with the per-entry scores and log-sum-exps that ``outputs`` asks for (``scores``, ``return_lse``:
+        :meth:`PagePool.attend_planned`)."""
+        b, h, d = q.shape
+        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
+        return self.pool.attend_planned(self.step_plan(step), q, self.scale, index=layer, append=append, **outputs)
+
+    def step_plan(self, step: DecodeStep) -> DecodePlan:
+        """The attention plan of a planned ``step`` (built in :meth:`begin_decode`; a cache may build it later)."""
+        return step.plan
 
     def step_call(self, step: Optional[DecodeStep], layer: int, num_heads: int,
                   open_state: Optional[torch.Tensor] = None, open_tokens: Optional[torch.Tensor] = None):

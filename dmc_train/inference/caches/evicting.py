@@ -176,16 +176,13 @@ class EvictingCache(KVCache):
         per-row state, :meth:`row_state`: the cache's own tensors, or a decode step's gathered ones; ``where``
         None: all of its rows, in order)."""
 
-    def attend(self, step: EvictionStep, layer: int, q: torch.Tensor, scores: Optional[str], append=None):
-        """Paged attention of ``q [B, H, d]`` over the rows of layer ``layer``: ``(out [B * H_kv,
-        G, d_v], per-entry scores [B * H_kv, L] or None)``; ``append`` ``(k, v, flat slots)``: each row's new entry,
-        written first (:meth:`PagePool.attend_planned`)."""
-        b, h, d = q.shape
-        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
-        plan = self.step_plan(step)
+    def attend(self, step: EvictionStep, layer: int, q: torch.Tensor, scores: Optional[str],
+               append: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        """:meth:`attend_planned` of ``q [B, H, d]``, ``append`` written first: ``(out [B * H_kv, G, d_v], per-entry
+        scores [B * H_kv, L] or None)``; ``scores``: the scorer's kind (``probs``, ``logits``) or None."""
         if scores is None:
-            return self.pool.attend_planned(plan, q, self.scale, index=layer, append=append), None
-        return self.pool.attend_planned(plan, q, self.scale, index=layer, scores=scores, append=append)
+            return self.attend_planned(step, layer, q, append), None
+        return self.attend_planned(step, layer, q, append, scores=scores)
 
     def step_plan(self, step: EvictionStep) -> DecodePlan:
         """The attention plan of ``step``'s rows, built once (by the first layer that attends through it)."""

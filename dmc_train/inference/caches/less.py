@@ -116,11 +116,11 @@ class LESSCache(EvictingCache):
             state["H"][where] += H
             state["z"][where] += z
 
-    def attend(self, step, layer, q, scores, append=None):
-        b, h, d = q.shape
-        g = h // self.num_kv_heads
-        out, *extra = self.pool.attend_planned(self.step_plan(step), q.reshape(-1, g, d), self.scale, index=layer,
-                                               scores=scores, return_lse=True, append=append)
+    def attend(self, step, layer, q, scores, append):
+        """:meth:`EvictingCache.attend` plus the row's state, combined with the kept entries' attention by its
+        log-sum-exps (module docstring)."""
+        g = q.shape[1] // self.num_kv_heads
+        out, *extra = self.attend_planned(step, layer, q, append, scores=scores, return_lse=True)
         lse = extra[-1]  # [b * H_kv, G]
         w = self.weights.layers[layer]
         features = phi_q(q[:, :, None], w)[:, :, 0].reshape(-1, g, self.weights.rank)
