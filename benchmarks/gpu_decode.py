@@ -131,13 +131,8 @@ def hf_generate(model, prompts: list[list[int]], args) -> float:
     """transformers ``generate`` tokens/s (greedy, SDPA, its default cache) of the same weights, prompts and batch."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    s = model.shape
-    config = LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.ffn_hidden_size,
-                         num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
-                         num_key_value_heads=s.num_kv_heads, max_position_embeddings=s.max_positions,
-                         rms_norm_eps=s.norm_eps, rope_theta=s.rope_base, tie_word_embeddings=False,
-                         attn_implementation="sdpa")
-    hf = LlamaForCausalLM(config).to(device=args.device, dtype=model.dtype).eval()
+    hf = LlamaForCausalLM(LlamaConfig(**model.shape.hf_config(attn_implementation="sdpa")))
+    hf = hf.to(device=args.device, dtype=model.dtype).eval()
     hf.load_state_dict(_WEIGHTS[model.shape])
     ids = torch.tensor(prompts, device=args.device)
     run = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)

@@ -46,6 +46,7 @@ from dmc_train.errors import InferenceError
 from dmc_train.inference.caches import KVCache, TokenInfo
 from dmc_train.inference.caches.base import HeadsFirst
 from dmc_train.inference.method import InferenceMethod
+from dmc_train.models.hf_config import rope_parameters
 from dmc_train.models.llama_layer import LlamaLayer
 from dmc_train.models.rope import rope, rope_inv_freq, rope_rotation, rope_tables
 from dmc_train.policies import Scorer
@@ -72,6 +73,15 @@ class ModelShape:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_heads
+
+    def hf_config(self, **extra: Any) -> dict[str, Any]:
+        """Keyword arguments of transformers' ``LlamaConfig`` for this shape (untied embeddings, RoPE as
+        ``config.json`` spells it), ``extra`` added (the attention implementation, token ids)."""
+        return dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.ffn_hidden_size,
+                    num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+                    num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    max_position_embeddings=self.max_positions, rms_norm_eps=self.norm_eps,
+                    rope_parameters=rope_parameters(self, self.rope_base), tie_word_embeddings=False, **extra)
 
     @classmethod
     def from_config(cls, m: Any) -> "ModelShape":

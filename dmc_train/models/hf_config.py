@@ -14,7 +14,7 @@ spelling: transformers 5.x writes ``rope_parameters: {rope_type, rope_theta, fac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from dmc_train.config import kv_groups, rope_scaling_of
 from dmc_train.errors import ConfigError
@@ -75,12 +75,13 @@ def rope_scaling_fields(model: Any) -> dict[str, Any]:
     return out
 
 
-def rope_parameters(model: Any) -> dict[str, Any]:
-    """The ``rope_parameters`` of a ``config.json`` (transformers 5.x spelling) for the ``model`` node:
-    ``rope_type``, ``rope_theta`` and the fields of its type (``model.rope_scaling``)."""
+def rope_parameters(model: Any, theta: Optional[float] = None) -> dict[str, Any]:
+    """The ``rope_parameters`` of a ``config.json`` (transformers 5.x spelling) for the ``model`` node (or anything
+    with a ``rope_scaling``, ``theta`` its base; default ``model.rotary_base``): ``rope_type``, ``rope_theta`` and
+    the fields of its type (``model.rope_scaling``)."""
     fields = rope_scaling_fields(model)
     hf_type = {v: k for k, v in SUPPORTED_ROPE.items()}[fields.pop("type")]
-    return {"rope_theta": float(model.rotary_base), "rope_type": hf_type, **fields}
+    return {"rope_theta": float(model.rotary_base if theta is None else theta), "rope_type": hf_type, **fields}
 
 
 def model_config_from_hf(hf: dict, name: str = "hf_llama") -> dict[str, Any]:

@@ -21,12 +21,8 @@ SCHEDULES = ["decode", "prefill"]
 
 
 def hf_llama(weights) -> LlamaForCausalLM:
-    s = SHAPE
-    config = LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.ffn_hidden_size,
-                         num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
-                         num_key_value_heads=s.num_kv_heads, max_position_embeddings=s.max_positions,
-                         rms_norm_eps=s.norm_eps, rope_theta=s.rope_base, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None, attn_implementation="eager")
+    config = LlamaConfig(**SHAPE.hf_config(bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                           attn_implementation="eager"))
     model = LlamaForCausalLM(config).eval()
     model.load_state_dict(weights)
     return model
