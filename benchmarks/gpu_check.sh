@@ -2,7 +2,7 @@
 # Checking a GPU machine (docs/CLUSTER.md): from a fresh clone, one GPU; each stage prints its time (--skip leaves
 # stages out when the device time is short).
 #
-#   bash benchmarks/gpu_check.sh [--wheels DIR] [--out DIR] [--skip tests,runs,bench,decode]
+#   bash benchmarks/gpu_check.sh [--wheels DIR] [--out DIR] [--skip tests,runs,bench,paged,decode]
 #
 # 1. installs what is missing (megatron-core, hydra-core, omegaconf, antlr4: from the package index, or from the
 #    wheels in DIR with --wheels, for machines without internet) into a folder of its own, torch left as it is;
@@ -11,7 +11,8 @@
 #    greedy tokens on the GPU against the CPU's (full, H2O, LightCache, DMC caches);
 # 3. benchmarks/gpu_train.py (method steps at a Llama-2-7B layer shape, DMC attention and accumulation kernels) and a
 #    short benchmarks/gpu_decode.py (decode tokens/s at one KV budget: full, fixed pooling, GQA, the policies at 1/4,
-#    transformers' generate; 2 layers of the Llama-2-7B shape, 512 + 256 tokens);
+#    transformers' generate; 2 layers of the Llama-2-7B shape, 512 + 256 tokens), after benchmarks/gpu_paged.py (the
+#    paged decode kernel against the copy bandwidth and SDPA over a dense cache, page size 16, G 1/4/8, d 64/128);
 # 4. the tests that exercise tensors on the GPU (DMC_TEST_DEVICE=cuda: kernels, models, the engine, caches,
 #    policies, transformers' PolicyCache), the Triton kernels compiled;
 # and prints one table last. Logs and results go to --out (default: $OUT if set, else runs/gpu_check).
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS=$2; shift 2 ;;
     --out) DEST=$2; shift 2 ;;
     --skip) SKIP=$2; shift 2 ;;
-    *) echo "error: unknown argument $1 (use --wheels DIR, --out DIR, --skip tests,runs,bench,decode)" >&2; exit 2 ;;
+    *) echo "error: unknown argument $1 (use --wheels DIR, --out DIR, --skip tests,runs,bench,paged,decode)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$DEST"
@@ -130,6 +131,15 @@ if ! skipped bench; then
   fi
 fi
 
+if ! skipped paged; then
+  t0=$SECONDS
+  if timeout "${DMC_CHECK_PAGED_SECONDS:-120}" $PY benchmarks/gpu_paged.py --out "$DEST" 2>&1 | tee "$DEST/gpu_paged.log"; then
+    record "benchmarks/gpu_paged.py" ok "($((SECONDS - t0)) s; goals below)"
+  else
+    record "benchmarks/gpu_paged.py" FAILED "$(tail -1 "$DEST/gpu_paged.log")"
+  fi
+fi
+
 if ! skipped decode; then
   t0=$SECONDS
   if timeout "${DMC_CHECK_DECODE_SECONDS:-180}" $PY benchmarks/gpu_decode.py --device cuda --layers 2 --prompt 512 \
@@ -160,4 +170,5 @@ echo
 echo "GPU check ($DEST):"
 printf '  %s\n' "${TABLE[@]}"
 if [ -e "$DEST/gpu_train.log" ]; then sed -n '/^goals/,$p' "$DEST/gpu_train.log" | sed 's/^/  /'; fi
+if [ -e "$DEST/gpu_paged.log" ]; then sed -n '/^goals/,/^wrote/p' "$DEST/gpu_paged.log" | sed 's/^/  /'; fi
 if [ -e "$DEST/gpu_decode.log" ]; then sed -n '/^goals/,/^wrote/p' "$DEST/gpu_decode.log" | sed 's/^/  /'; fi

@@ -25,7 +25,8 @@ backend"):
   each row reads its own pages in place, online softmax, rows over the OpenMP threads; without a C compiler
   the PyTorch path); PyTorch: ``varlen.py`` (rows grouped by page count, one batched matmul per group over
   a gathered copy: cost ~ the tokens held plus a page per row); Triton: ``triton_kernels.py``
-  (split-K over pages, G query heads per program, log-sum-exp merge); flash-attn's ``flash_attn_with_kvcache``
+  (split-K over tiles of several pages, G query heads per program, the splits merged by their log-sum-exps in a
+  second kernel); flash-attn's ``flash_attn_with_kvcache``
   (``flash.py``) when it is installed and fits (CUDA, fp16/bf16, page size divisible by 256) and no
   scores are requested. With ``scores="probs"`` / ``"logits"`` it also returns, from the same attention
   pass, each entry's attention score for an eviction policy (H2O, TOVA, Keyformer): ``s [R, L]`` fp32,
@@ -128,10 +129,15 @@ def _planned_by_table(q, k_pages, v_pages, plan, scale, scores, return_lse, inde
 def _planned_by_ops(q, k_pages, v_pages, plan, scale, scores, return_lse, index, append):
     """:func:`_planned_by_table` for a plan that keeps the table (a kernel reads it), else the entries written and
     the attention over the plan's row groups (:func:`attend_planned`)."""
-    if plan.max_len < 0:
+    if plan.groups is None:
         return _planned_by_table(q, k_pages, v_pages, plan, scale, scores, return_lse, index, append)
     _write_appended(k_pages, v_pages, append)
     return attend_planned(q, k_pages, v_pages, plan, scale, scores=scores, return_lse=return_lse, index=index)
+
+
+def _keeps_table(q, k_pages, v_pages, plan, *_) -> bool:
+    """A plan built for a kernel that reads the block table itself (:func:`paged_decode_plan`)."""
+    return plan.groups is None
 
 
 def _no_compiled_call(*inputs) -> None:
@@ -151,6 +157,7 @@ OPS = {
     }),
     "paged_attention_planned": Op({
         "flash": Impl(_planned_by_table, fits=flash_planned_fits),
+        "triton": Impl(lazy(_triton, "paged_attention_planned_triton"), fits=_keeps_table),
         "cpu_compiled": Impl(paged_attention_planned_cpu, fits=planned_fits),
         "torch": Impl(_planned_by_ops),
     }),
@@ -251,9 +258,10 @@ def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_si
     (leading dims: e.g. the layers of a decode step whose rows hold equal lengths; a call picks one with
     ``index``); ``page_bytes``: a K page plus a V page. Not validated: the caller builds the table (the
     engine's pool). When a kernel reads the table itself (:func:`reads_block_table` for the pages' ``dtype``;
-    None: the PyTorch path's plan), only the table and lengths are kept (``max_len = -1``, no groups)."""
+    None: the PyTorch path's plan), only the table, the lengths and the longest row are kept (no groups)."""
     if reads_block_table(seq_lens.device, dtype):
-        return DecodePlan(seq_lens.shape[0], -1, seq_lens, [], block_table)
+        return DecodePlan(seq_lens.shape[0], int(seq_lens.max()) if len(seq_lens) else 0, seq_lens, None,
+                          block_table)
     return plan_decode(block_table, seq_lens, page_size, page_bytes)
 
 

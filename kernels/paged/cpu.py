@@ -66,7 +66,7 @@ def cpu_kernel_fits(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 def planned_fits(q, k_pages, v_pages, plan, *_) -> bool:
     """The fit of :func:`kernels.paged.paged_attention_planned`'s inputs: a plan that keeps the block table (built
     for a kernel that reads it) and :func:`cpu_kernel_fits`."""
-    return plan.max_len < 0 and cpu_kernel_fits(q, k_pages, v_pages)
+    return plan.groups is None and cpu_kernel_fits(q, k_pages, v_pages)
 
 
 def paged_attention_planned_cpu(q, k_pages, v_pages, plan, scale: float, scores: str | None = None,

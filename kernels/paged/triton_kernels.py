@@ -2,14 +2,16 @@
 CPU tensors they run under ``TRITON_INTERPRET=1``, which is how they are tested here). Layouts as in
 ``kernels/paged/__init__.py``; all math in fp32 (loads are cast before ``tl.dot``).
 
-- ``paged_attention_triton``: split-K decode attention. Program ``(r, s)`` takes row r's G query heads
-  (padded to 16 for ``tl.dot``) and the pages ``[s * P, (s + 1) * P)`` of the row, runs an online
-  softmax over them and writes a partial output and its log-sum-exp; the splits are merged with
-  their log-sum-exps. Long rows are spread over many programs; short rows end after their pages.
-  With ``scores`` the same pass also stores each entry's logits: per head into an fp32 buffer
-  ``[R, G, L]`` ("probs": turned into softmax weights afterwards by one elementwise
-  ``exp(logit - lse)`` with the merged log-sum-exp of the head, then summed over G), or already summed
-  over the G heads into ``[R, L]`` ("logits"). K is read once.
+- ``paged_attention_triton``: split-K decode attention (flash-decoding). Program ``(r, s)`` takes row r's G query
+  heads (padded to 16 for ``tl.dot``) and the tiles ``[s * T, (s + 1) * T)`` of ``TILE`` entries of the row (a tile
+  spans ``TILE / page_size`` pages, each entry's page read from the block table), runs an online softmax over them
+  and writes a partial output and its log-sum-exp. A second kernel merges the splits by their log-sum-exps (one
+  program per row). Long rows are spread over many programs, as many splits as fill the device
+  (:func:`split_tiles`); short rows end after their tiles. With ``scores`` the same pass also stores each entry's
+  logits: per head into an fp32 buffer ``[R, G, L]`` ("probs": the merge turns them into softmax weights with the
+  merged log-sum-exp of the head and sums them over G), or already summed over the G heads into ``[R, L]``
+  ("logits"). K and V are read once. ``max_len`` (the longest row, the scores' width) may come from the caller
+  (a decode step's plan, computed once for every layer); else it is read from the lengths.
 - ``paged_write_triton``: one program per entry written.
 - ``dmc_cache_update_triton``: one program per row: Algorithm 1's merge-or-append on the open slot's
   fp32 state, the row's length counted on an append, then the normalised state into its page entry.
@@ -17,18 +19,22 @@ CPU tensors they run under ``TRITON_INTERPRET=1``, which is how they are tested 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import pack_outputs
-from .writes import take_spare_pages_torch
+from .writes import take_spare_pages_torch, write_slots_torch
+
+TILE = 64  # entries per inner step of the decode kernel (several pages at page size 16)
 
 
 @triton.jit
-def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale,
+def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale, tiles_per_split,
                          s_qr, s_qg, s_kp, s_ks, s_vp, s_vs, s_btr, s_or, s_os, s_og, s_lr, s_ls, s_sr, s_sg,
-                         G, D, DV, PAGES_PER_SPLIT: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                         G, D, DV, PAGE: tl.constexpr, TILE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_S: tl.constexpr):
     # STORE_S: 0 nothing; 1 the logits of every head into S [R, G, L]; 2 their sum over the G heads into S [R, L]
     r = tl.program_id(0)
@@ -37,32 +43,34 @@ def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale,
     g = tl.arange(0, BLOCK_G)
     dd = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    t = tl.arange(0, PAGE)
+    j = tl.arange(0, TILE)
     q = tl.load(Q + r * s_qr + g[:, None] * s_qg + dd[None, :], mask=(g[:, None] < G) & (dd[None, :] < D),
                 other=0.0).to(tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    first = s * PAGES_PER_SPLIT
-    last = tl.minimum(first + PAGES_PER_SPLIT, (n + PAGE - 1) // PAGE)
-    for p in range(first, last):
-        page = tl.load(BT + r * s_btr + p).to(tl.int64)
-        valid = p * PAGE + t < n
-        k = tl.load(KP + page * s_kp + t[:, None] * s_ks + dd[None, :], mask=valid[:, None] & (dd[None, :] < D),
-                    other=0.0).to(tl.float32)
+    first = s * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, (n + TILE - 1) // TILE)
+    for tile in range(first, last):
+        entry = tile * TILE + j
+        valid = entry < n
+        page = tl.load(BT + r * s_btr + entry // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = (entry % PAGE).to(tl.int64)
+        k = tl.load(KP + page[:, None] * s_kp + slot[:, None] * s_ks + dd[None, :],
+                    mask=valid[:, None] & (dd[None, :] < D), other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k)) * scale
         if STORE_S == 1:
-            tl.store(S + r * s_sr + g[:, None] * s_sg + (p * PAGE + t)[None, :], scores,
+            tl.store(S + r * s_sr + g[:, None] * s_sg + entry[None, :], scores,
                      mask=(g[:, None] < G) & valid[None, :])
         if STORE_S == 2:  # padded heads have q = 0, hence logits 0
-            tl.store(S + r * s_sr + p * PAGE + t, tl.sum(scores, 0), mask=valid)
+            tl.store(S + r * s_sr + entry, tl.sum(scores, 0), mask=valid)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         decay = tl.exp(m - m_new)
         prob = tl.exp(scores - m_new[:, None])
         denom = denom * decay + tl.sum(prob, 1)
-        v = tl.load(VP + page * s_vp + t[:, None] * s_vs + dv[None, :], mask=valid[:, None] & (dv[None, :] < DV),
-                    other=0.0).to(tl.float32)
+        v = tl.load(VP + page[:, None] * s_vp + slot[:, None] * s_vs + dv[None, :],
+                    mask=valid[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
         acc = acc * decay[:, None] + tl.dot(prob, v)
         m = m_new
     safe = tl.where(denom > 0, denom, 1.0)
@@ -73,44 +81,118 @@ def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale,
     tl.store(LSE + r * s_lr + s * s_ls + g, lse, mask=g < G)
 
 
+@triton.jit
+def _merge_splits_kernel(PART, PART_LSE, LENS, OUT, LSE, S, PROBS_OUT, splits, L,
+                         s_pr, s_ps, s_pg, s_lr, s_ls, s_or, s_og, s_sr, s_sg, s_qr,
+                         G, DV, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_L: tl.constexpr,
+                         PROBS: tl.constexpr):
+    # one program per row: the splits' partial outputs weighted by exp(lse_split - lse); PROBS: S's per-head logits
+    # [R, G, L] -> the softmax weights summed over G into PROBS_OUT [R, L] (0 past the row's length)
+    r = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)
+    dv = tl.arange(0, BLOCK_DV)
+    heads = g < G
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(0, splits):
+        m = tl.maximum(m, tl.load(PART_LSE + r * s_lr + s * s_ls + g, mask=heads, other=float("-inf")))
+    shift = tl.where(m > float("-inf"), m, 0.0)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for s in range(0, splits):  # an empty split has lse -inf: weight 0
+        w = tl.exp(tl.load(PART_LSE + r * s_lr + s * s_ls + g, mask=heads, other=float("-inf")) - shift)
+        part = tl.load(PART + r * s_pr + s * s_ps + g[:, None] * s_pg + dv[None, :],
+                       mask=heads[:, None] & (dv[None, :] < DV), other=0.0)
+        denom += w
+        acc += w[:, None] * part
+    safe = tl.where(denom > 0, denom, 1.0)
+    total = tl.where(denom > 0, shift + tl.log(safe), float("-inf"))
+    tl.store(OUT + r * s_or + g[:, None] * s_og + dv[None, :], (acc / safe[:, None]).to(OUT.dtype.element_ty),
+             mask=heads[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + r * G + g, total, mask=heads)
+    if PROBS:
+        n = tl.load(LENS + r).to(tl.int32)
+        for i0 in range(0, L, BLOCK_L):
+            i = i0 + tl.arange(0, BLOCK_L)
+            held = heads[:, None] & (i < n)[None, :]
+            logit = tl.load(S + r * s_sr + g[:, None] * s_sg + i[None, :], mask=held, other=0.0)
+            p = tl.where(held, tl.exp(logit - tl.where(heads, total, 0.0)[:, None]), 0.0)
+            tl.store(PROBS_OUT + r * s_qr + i, tl.sum(p, 0), mask=i < L)
+
+
 def _pow2(x: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(x))
 
 
+@functools.cache
+def _programs_to_fill(device: torch.device) -> int:
+    """Programs that keep ``device`` busy: 4 per streaming multiprocessor on a GPU; 1 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_tiles(rows: int, max_len: int, device: torch.device) -> int:
+    """Tiles each program of :func:`paged_attention_triton` takes: the longest row's tiles spread over as many
+    splits as, with ``rows`` rows, fill the device (one split per row when the rows alone do)."""
+    tiles = max(1, -(-max_len // TILE))
+    splits = min(tiles, max(1, -(-_programs_to_fill(device) // max(rows, 1))))
+    return -(-tiles // splits)
+
+
 def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: float, scores: str | None = None,
-                           return_lse: bool = False, pages_per_split: int = 16):
+                           return_lse: bool = False, max_len: int | None = None, tiles_per_split: int | None = None):
     """:func:`kernels.paged.paged_attention` on validated inputs; ``out [R, G, d_v]`` in q's dtype, then
-    ``s [R, L] fp32`` when ``scores`` is ``"probs"`` / ``"logits"`` and ``lse [R, G] fp32`` with ``return_lse``."""
+    ``s [R, L] fp32`` when ``scores`` is ``"probs"`` / ``"logits"`` and ``lse [R, G] fp32`` with ``return_lse``.
+    ``max_len``: ``max(seq_lens)`` when the caller knows it (no read of the lengths on the host);
+    ``tiles_per_split``: default :func:`split_tiles`."""
     R, G, d = q.shape
-    page, dv = k_pages.shape[1], v_pages.shape[2]
+    dv = v_pages.shape[2]
     q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
     block_table = block_table.contiguous()
-    L = int(seq_lens.max()) if R else 0
-    max_pages = -(-L // page)
-    splits = max(1, -(-max_pages // pages_per_split))
-    out = torch.empty(R, splits, G, dv, dtype=torch.float32, device=q.device)
-    lse = torch.empty(R, splits, G, dtype=torch.float32, device=q.device)
-    if scores == "probs":  # per-head logits; the entries past a row's length stay -inf (weight 0)
-        s = torch.full((R, G, L), float("-inf"), dtype=torch.float32, device=q.device)
-        s_sr, s_sg = s.stride(0), s.stride(1)
+    L = max_len if max_len is not None else int(seq_lens.max()) if R else 0
+    per_split = tiles_per_split or split_tiles(R, L, q.device)
+    splits = max(1, -(-(-(-L // TILE)) // per_split))  # ceil(tiles / per_split)
+    part = torch.empty(R, splits, G, dv, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(R, splits, G, dtype=torch.float32, device=q.device)
+    out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(R, G, dtype=torch.float32, device=q.device)
+    probs = None
+    if scores == "probs":  # per-head logits, turned into summed softmax weights by the merge
+        s = torch.empty(R, G, L, dtype=torch.float32, device=q.device)
+        probs = torch.empty(R, L, dtype=torch.float32, device=q.device)
     elif scores == "logits":  # summed over the heads; 0 past a row's length
         s = torch.zeros(R, L, dtype=torch.float32, device=q.device)
-        s_sr, s_sg = s.stride(0), 0
     else:
-        s, s_sr, s_sg = lse, 0, 0  # unused
+        s = part_lse  # unused
+    s_sr, s_sg = (s.stride(0), s.stride(1)) if scores is not None else (0, 0)
+    if scores == "logits":
+        s_sg = 0
     if R:
         _paged_decode_kernel[(R, splits)](
-            q, k_pages, v_pages, block_table, seq_lens, out, lse, s, scale,
+            q, k_pages, v_pages, block_table, seq_lens, part, part_lse, s, scale, per_split,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
-            block_table.stride(0), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            s_sr, s_sg, G, d, dv, PAGES_PER_SPLIT=pages_per_split, PAGE=page, BLOCK_G=_pow2(G), BLOCK_D=_pow2(d),
-            BLOCK_DV=_pow2(dv), STORE_S={None: 0, "probs": 1, "logits": 2}[scores])
-    weight = torch.softmax(lse, dim=1)  # merge the splits by their log-sum-exps (empty splits: -inf -> 0)
-    out = (weight[..., None] * out).sum(1).to(q.dtype)
-    total = torch.logsumexp(lse, dim=1)  # [R, G]
-    if scores == "probs":
-        s = s.sub_(total[..., None]).exp_().sum(1)  # softmax weights, summed over G
-    return pack_outputs(out, s if scores is not None else None, total if return_lse else None)
+            block_table.stride(0), part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0),
+            part_lse.stride(1), s_sr, s_sg, G, d, dv, PAGE=k_pages.shape[1], TILE=TILE, BLOCK_G=_pow2(G),
+            BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), STORE_S={None: 0, "probs": 1, "logits": 2}[scores])
+        _merge_splits_kernel[(R,)](
+            part, part_lse, seq_lens, out, lse, s, lse if probs is None else probs, splits, L,
+            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1), out.stride(0),
+            out.stride(1), s_sr, s_sg, 0 if probs is None else probs.stride(0), G, dv, BLOCK_G=_pow2(G, 1),
+            BLOCK_DV=_pow2(dv, 1), BLOCK_L=128, PROBS=probs is not None)
+    s = probs if scores == "probs" else s
+    return pack_outputs(out, s if scores is not None else None, lse if return_lse else None)
+
+
+def paged_attention_planned_triton(q, k_pages, v_pages, plan, scale: float, scores: str | None = None,
+                                   return_lse: bool = False, index: int | None = None, append=None):
+    """:func:`kernels.paged.paged_attention_planned` on a plan that keeps the block table: each row's new entry
+    written first (:func:`~.writes.write_slots_torch`), then :func:`paged_attention_triton` with the plan's longest
+    row (no read of the lengths per call)."""
+    if append is not None:
+        k, v, slots = append
+        write_slots_torch(k_pages, v_pages, slots, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))
+    table = plan.block_table if index is None else plan.block_table[index]
+    return paged_attention_triton(q, k_pages, v_pages, table, plan.lens, scale, scores, return_lse, plan.max_len)
 
 
 @triton.jit

@@ -64,12 +64,13 @@ class DecodePlan:
     once from a block table and lengths, reused by every call on them. ``pages`` of each group may carry
     leading dims (e.g. ``[layers, ...]``: several layers whose rows hold equal lengths share one plan, and a
     call picks one with ``index``). ``max_len``: the longest row (the width of the scores); ``block_table``
-    and ``lens``: what the plan was built from."""
+    and ``lens``: what the plan was built from; ``groups`` None: a plan for a kernel that reads the block table
+    itself (only the table, the lengths and ``max_len``)."""
 
     rows: int
     max_len: int
     lens: torch.Tensor
-    groups: list[RowGroup]
+    groups: Optional[list[RowGroup]]
     block_table: torch.Tensor
 
 

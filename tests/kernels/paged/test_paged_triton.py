@@ -50,8 +50,8 @@ def test_paged_decode_kernel_matches_the_reference(G, d, dv, page_size, device):
     k, v, table, seq_lens = paged_rows(lens, page_size, d, dv, device)
     q = torch.randn(len(lens), G, d).to(device)
     want = reference_paged_attention(q, k, v, table, seq_lens)
-    for split in (1, 2, 16):  # split-K over pages, merged by log-sum-exps
-        got = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, pages_per_split=split)
+    for split in (1, 2, None):  # split-K over tiles (rows with empty splits too), merged by log-sum-exps
+        got = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, tiles_per_split=split)
         torch.testing.assert_close(got, want, **fp32_tol(device))
 
 
@@ -115,20 +115,20 @@ def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern, device)
 @pytest.mark.parametrize("kind", ["probs", "logits"])
 @pytest.mark.parametrize("G, d, page_size", [(1, 32, 16), (4, 64, 16), (3, 16, 32)])
 def test_paged_decode_kernel_scores_match_the_reference(kind, G, d, page_size, device):
-    lens = [1, page_size, page_size + 1, 3 * page_size + 5]  # 1, a full page, a page + 1, multi-page
+    lens = [1, page_size, page_size + 1, 3 * page_size + 5, 9 * page_size + 3]  # 1, a full page, a page + 1, more
     k, v, table, seq_lens = paged_rows(lens, page_size, d, 32, device, seed=G)  # pages in shuffled order
     q = torch.randn(len(lens), G, d, generator=torch.Generator().manual_seed(G)).to(device)
     want_out, want_s = reference_paged_attention(q, k, v, table, seq_lens, scores=kind)
     tol = fp32_tol(device)
-    for split in (1, 2):  # one split; several splits merged by log-sum-exps (and the row lse behind "probs")
-        out, s = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, pages_per_split=split)
+    for split in (1, 2, None):  # splits of one or two tiles merged by log-sum-exps (the lse behind "probs"); default
+        out, s = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, tiles_per_split=split)
         assert s.shape == (len(lens), max(lens)) and s.dtype == torch.float32
         torch.testing.assert_close(s, want_s, **tol)
         torch.testing.assert_close(out, want_out, **tol)
-        plain = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, pages_per_split=split)
+        plain = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, tiles_per_split=split)
         torch.testing.assert_close(out, plain, rtol=0, atol=0)  # out unchanged by the scores
         _, _, lse = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, return_lse=True,
-                                           pages_per_split=split)
+                                           max_len=max(lens), tiles_per_split=split)  # the longest row given
         want_lse = reference_paged_attention(q, k, v, table, seq_lens, return_lse=True)[1]
         torch.testing.assert_close(lse, want_lse, **tol)
     assert (s[torch.arange(max(lens), device=device) >= seq_lens[:, None].long()] == 0).all()
