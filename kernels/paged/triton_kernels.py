@@ -11,7 +11,8 @@ CPU tensors they run under ``TRITON_INTERPRET=1``, which is how they are tested 
   logits: per head into an fp32 buffer ``[R, G, L]`` ("probs": the merge turns them into softmax weights with the
   merged log-sum-exp of the head and sums them over G), or already summed over the G heads into ``[R, L]``
   ("logits"). K and V are read once. ``max_len`` (the longest row, the scores' width) may come from the caller
-  (a decode step's plan, computed once for every layer); else it is read from the lengths.
+  (a decode step's plan, computed once for every layer); else the block table's width bounds it, or, with scores,
+  it is read from the lengths.
 - ``paged_write_triton``: one program per entry written.
 - ``dmc_cache_update_triton``: one program per row: Algorithm 1's merge-or-append on the open slot's
   fp32 state, the row's length counted on an append, then the normalised state into its page entry.
@@ -143,12 +144,15 @@ def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: fl
                            return_lse: bool = False, max_len: int | None = None, tiles_per_split: int | None = None):
     """:func:`kernels.paged.paged_attention` on validated inputs; ``out [R, G, d_v]`` in q's dtype, then
     ``s [R, L] fp32`` when ``scores`` is ``"probs"`` / ``"logits"`` and ``lse [R, G] fp32`` with ``return_lse``.
-    ``max_len``: ``max(seq_lens)`` when the caller knows it (no read of the lengths on the host);
-    ``tiles_per_split``: default :func:`split_tiles`."""
+    ``max_len``: ``max(seq_lens)`` when the caller knows it (no read of the lengths on the host; without scores, the
+    block table's width bounds it, and splits past a row's length end at once); ``tiles_per_split``: default
+    :func:`split_tiles`."""
     R, G, d = q.shape
     dv = v_pages.shape[2]
     q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
     block_table = block_table.contiguous()
+    if max_len is None and scores is None:  # the table's width bounds the rows: the lengths stay on the device
+        max_len = block_table.shape[1] * k_pages.shape[1]
     L = max_len if max_len is not None else int(seq_lens.max()) if R else 0
     per_split = tiles_per_split or split_tiles(R, L, q.device)
     splits = max(1, -(-(-(-L // TILE)) // per_split))  # ceil(tiles / per_split)
