@@ -51,9 +51,9 @@ def free_memory(device: torch.device) -> int:
 
 
 class PageLoan(NamedTuple):
-    """Pages of the free list lent to ops that take pages themselves (:meth:`PagePool.lend_pages`): ``pages [m]``
-    int32, the free list's last m pages in its order, and ``left [1]`` int64, how many of them are not taken yet:
-    an op takes ``pages[left - 1]`` and counts ``left`` down (the page ``pop()`` would give)."""
+    """Pages of the free list lent to ops that take pages themselves (:meth:`PagePool.lend_pages`), on the pool's
+    device: ``pages [m]`` int32, the free list's last m pages in its order, and ``left [1]`` int64, how many of them
+    are not taken yet: an op takes ``pages[left - 1]`` and counts ``left`` down (the page ``pop()`` would give)."""
 
     pages: torch.Tensor
     left: torch.Tensor
@@ -197,12 +197,17 @@ class PagePool:
         decode step: :func:`kernels.paged.dmc_cache_update`), in the order ``pop()`` would give them. The free list
         is unchanged until :meth:`settle`; nothing else may take or return pages in between."""
         pages = self.free_pages[len(self.free_pages) - min(count, len(self.free_pages)):]
-        return PageLoan(torch.tensor(pages, dtype=torch.int32, device="cpu"), torch.tensor([len(pages)], device="cpu"))
+        return PageLoan(torch.tensor(pages, dtype=torch.int32, device=self.device),
+                        torch.tensor([len(pages)], device=self.device))
 
     def settle(self, loan: PageLoan) -> None:
         """Take the pages the ops took from ``loan`` (the last ``m - left`` of the free list) off the free list and
-        count the peak."""
-        taken = len(loan.pages) - int(loan.left)
+        count the peak (the count is read once, on the host)."""
+        left = int(loan.left)
+        if left < 0:  # only an op that takes pages without checking on the host (the Triton one) gets here
+            raise InferenceError(f"a decode step's appends needed {-left} more pages than the {len(loan.pages)} "
+                                 f"lent (PagePool.lend_pages); the cache is inconsistent, restart the engine")
+        taken = len(loan.pages) - left
         if taken:
             del self.free_pages[-taken:]
             self.peak_pages = max(self.peak_pages, self.used_pages)

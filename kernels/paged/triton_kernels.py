@@ -14,7 +14,8 @@ CPU tensors they run under ``TRITON_INTERPRET=1``, which is how they are tested 
   (a decode step's plan, computed once for every layer); else the block table's width bounds it, or, with scores,
   it is read from the lengths.
 - ``paged_write_triton``: one program per entry written.
-- ``dmc_cache_update_triton``: one program per row: Algorithm 1's merge-or-append on the open slot's
+- ``dmc_cache_update_triton``: the pages the appends start taken from the step's loan in one program
+  (``take_spare_pages_triton``), then one program per row: Algorithm 1's merge-or-append on the open slot's
   fp32 state, the row's length counted on an append, then the normalised state into its page entry.
 """
 
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import pack_outputs
-from .writes import take_spare_pages_torch, write_slots_torch
+from .writes import write_slots_torch
 
 TILE = 64  # entries per inner step of the decode kernel (several pages at page size 16)
 
@@ -269,12 +270,47 @@ def _dmc_update_kernel(KP, VP, BT, SEQ_LENS, LENS, ROWS, ALPHA, OMEGA, K, V, OS,
     tl.store(VP + page * s_vp + (pos % PAGE) * s_vs + dv, (num_v / z).to(VP.dtype.element_ty), mask=mv)
 
 
+@triton.jit
+def _take_spare_pages_kernel(BT, SEQ_LENS, ROWS, ALPHA, SPARE, LEFT, n, s_btr, width,
+                             PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    # one program, the rows in order: each appending row (alpha 0) whose last page is full takes SPARE[left - 1],
+    # the next such row SPARE[left - 2], ...; LEFT counted down by them all (a loan too short leaves it below 0 and
+    # takes nothing past its start: PagePool.settle refuses it; a row past its table's width takes nothing)
+    left = tl.load(LEFT)
+    taken = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inside = i < n
+        row = tl.load(ROWS + i, mask=inside, other=0).to(tl.int64)
+        length = tl.load(SEQ_LENS + row, mask=inside, other=1).to(tl.int32)
+        needs = inside & (length % PAGE == 0) & (tl.load(ALPHA + i, mask=inside, other=1.0) == 0)
+        at = left - (tl.cumsum(needs.to(tl.int32), 0) + taken)
+        column = length // PAGE
+        take = needs & (at >= 0) & (column < width)
+        tl.store(BT + row * s_btr + column, tl.load(SPARE + at, mask=take, other=-1), mask=take)
+        taken += tl.sum(needs.to(tl.int32), 0)
+    tl.store(LEFT, left - taken)
+
+
+def take_spare_pages_triton(block_table, seq_lens, rows, alpha, page_size: int, spare, spare_left) -> None:
+    """:func:`~.writes.take_spare_pages_torch` in one program on the device, reading nothing on the host: the loan's
+    size is the caller's to get right (:meth:`PagePool.lend_pages` lends one page for every row whose last page is
+    full, the most a step can take; :meth:`PagePool.settle` refuses a count that went below zero)."""
+    n = rows.shape[0]
+    if n == 0:
+        return
+    alpha = alpha.reshape(n).contiguous()
+    _take_spare_pages_kernel[(1,)](block_table, seq_lens, rows.contiguous(), alpha, spare, spare_left, n,
+                                   block_table.stride(0), block_table.shape[1], PAGE=page_size,
+                                   BLOCK=min(1024, _pow2(n)))
+
+
 def dmc_cache_update_triton(k_pages, v_pages, block_table, seq_lens, rows, alpha, omega, k, v, open_state,
                             open_tokens, spare=None, spare_left=None) -> torch.Tensor:
-    """:func:`kernels.paged.dmc_cache_update` on validated inputs: the pages the appends start taken in tensor ops
-    (:func:`~.writes.take_spare_pages_torch`), then one program per row."""
+    """:func:`kernels.paged.dmc_cache_update` on validated inputs: the pages the appends start taken on the device
+    (:func:`take_spare_pages_triton`), then one program per row."""
     if spare is not None:
-        take_spare_pages_torch(block_table, seq_lens, rows, alpha, k_pages.shape[1], spare, spare_left)
+        take_spare_pages_triton(block_table, seq_lens, rows, alpha, k_pages.shape[1], spare, spare_left)
     n = rows.shape[0]
     lens = torch.empty(n, dtype=seq_lens.dtype, device=seq_lens.device)
     if n == 0:

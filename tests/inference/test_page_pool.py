@@ -87,5 +87,10 @@ def test_lent_pages_leave_the_free_list_only_when_taken():
     assert len(p.lend_pages(10).pages) == 3  # at most the free pages
     p.settle(p.lend_pages(2))  # nothing taken: nothing changes
     assert p.free_pages == free[:-1]
+    short = p.lend_pages(2)
+    short.left.sub_(3)  # an op that counts down without checking on the host (Triton's) took one page too many
+    with pytest.raises(InferenceError, match="^a decode step's appends needed 1 more pages than the 2 lent"):
+        p.settle(short)
+    assert p.free_pages == free[:-1]
     p.free_rows(rows)
     assert sorted(p.free_pages) == list(range(8))

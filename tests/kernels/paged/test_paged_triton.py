@@ -80,6 +80,8 @@ def test_the_public_ops_dispatch_to_triton(triton_backend, device):
 @pytest.mark.parametrize("ring", [1, 3])
 @pytest.mark.parametrize("pattern", ["append", "merge", "alternate", "random"])
 def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern, device):
+    """20 DMC steps of 3 rows whose pages come from a loan: the Triton kernels (the pages taken on the device) and
+    the PyTorch path give the same pages, lengths, open-slot state, block table and count of pages left."""
     rows_total, d, dv, page_size, steps = 4, 64, 32, 16, 20
     g = torch.Generator().manual_seed(ring)  # CPU draws, moved to the device
     states = []
@@ -88,7 +90,9 @@ def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern, device)
         try:
             k_pages = torch.zeros(16, page_size, d, device=device)
             v_pages = torch.zeros(16, page_size, dv, device=device)
-            table = torch.arange(16, dtype=torch.int32, device=device).view(rows_total, 4)
+            table = torch.full((rows_total, 4), -1, dtype=torch.int32, device=device)  # pages from the loan
+            spare = torch.arange(16, dtype=torch.int32, device=device)
+            spare_left = torch.tensor([16], device=device)
             lens = torch.ones(rows_total, dtype=torch.int32, device=device)
             state = (torch.zeros(rows_total, ring, d + dv + 1, device=device),
                      torch.zeros(rows_total, dtype=torch.long, device=device))
@@ -103,9 +107,10 @@ def test_dmc_cache_update_kernel_matches_the_pytorch_path(ring, pattern, device)
                     lens[rows] = 0
                 alpha, omega = (~append).float().to(device), (torch.rand(3, generator=g) + 0.1).to(device)
                 new_k, new_v = torch.randn(3, d, generator=g).to(device), torch.randn(3, dv, generator=g).to(device)
-                got = dmc_cache_update(k_pages, v_pages, table, lens, rows, alpha, omega, new_k, new_v, *state)
+                got = dmc_cache_update(k_pages, v_pages, table, lens, rows, alpha, omega, new_k, new_v, *state,
+                                       spare, spare_left)
                 assert torch.equal(got, lens[rows])  # the lengths after the step, appends counted
-            states.append((k_pages, v_pages, lens, *state))
+            states.append((k_pages, v_pages, lens, *state, table, spare_left))
         finally:
             backend.set_backend("auto")
     for a, b in zip(*states):
