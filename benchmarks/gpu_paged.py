@@ -112,8 +112,8 @@ def measure_case(args, G: int, d: int, device, dtype, bandwidth: float) -> dict:
     t["ragged"] = ms(paged_call(q, paged_rows(ragged, args.page_size, d, dtype, device, seed=2), scale))
     size = torch.finfo(dtype).bits // 8
 
-    def share(entries: int, ms: float) -> float:  # keys + values + q + output over the time, of the copy rate
-        return (entries * 2 * d + 2 * rows * G * d) * size / (ms * 1e-3) / bandwidth
+    def share(entries: int, millis: float) -> float:  # keys + values + q + output over the time, of the copy rate
+        return (entries * 2 * d + 2 * rows * G * d) * size / (millis * 1e-3) / bandwidth
 
     row = {"G": G, "d": d, "rows": rows, "tokens": args.tokens, "paged_ms": t["plain"], "sdpa_ms": t["sdpa"],
            "probs_ms": t["probs"], "logits_ms": t["logits"], "ragged_ms": t["ragged"],

@@ -30,7 +30,7 @@ def attention(scores=None, lse=False, **kw):
 
 def planned(table_plan=True, **kw):
     q, kp, vp, table, lens = pages(**kw)
-    plan = (paged.DecodePlan(q.shape[0], -1, lens, [], table) if table_plan
+    plan = (paged.DecodePlan(q.shape[0], int(lens.max()), lens, None, table) if table_plan
             else plan_decode(table.long(), lens.long(), PAGE, 2 * PAGE * 8 * 4))
     return q, kp, vp, plan, 0.5, None, False, None, None
 
@@ -117,7 +117,8 @@ CASES = [
     (paged.OPS, "paged_attention_planned", planned(), "auto", "cpu_compiled"),
     (paged.OPS, "paged_attention_planned", planned(table_plan=False), "auto", "torch"),
     (paged.OPS, "paged_attention_planned", planned(dtype=torch.bfloat16), "auto", "torch"),
-    (paged.OPS, "paged_attention_planned", planned(), "triton", "torch"),  # the torch side calls the Triton kernel
+    (paged.OPS, "paged_attention_planned", planned(), "triton", "triton"),
+    (paged.OPS, "paged_attention_planned", planned(table_plan=False), "triton", "torch"),  # row groups: PyTorch's
     (paged.OPS, "paged_write", write(), "auto", "torch"),
     (paged.OPS, "paged_write", write(), "triton", "triton"),
     (paged.OPS, "dmc_cache_update", update(), "auto", "cpu_compiled"),
