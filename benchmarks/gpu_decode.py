@@ -19,7 +19,9 @@ random token ids, ``--new`` tokens each, greedy: decode tokens/s (the engine's d
 ``Engine.stats``), whole-generation tokens/s, the bytes a decode step reads (the weights, LM head included, and
 the KV held at the middle of the generation) over its time against the device's copy bandwidth (``dst.copy_(src)``
 of 1 GiB, 2 x bytes / time). transformers' ``LlamaForCausalLM`` with the same weights (SDPA, its DynamicCache)
-generates the same prompts at the full cache's batch (``--no-hf`` skips it).
+generates the same prompts at the full cache's batch (``--no-hf`` skips it). Each cache's per-token latency at
+equal batch: milliseconds per decode step of a 64-token generation at the full cache's batch. The full cache's time
+to first token of its batch's prompts: in one ``generate`` (their prefills batched) and one prompt at a time.
 
 Prints the table and the goals met / NOT met (the DMC paper's H100 numbers for Llama 2: fixed pooling 2x >= 1.8x and
 4x >= 3.4x the full cache's tokens/s; every policy at 1/4 >= 3x; the engine >= 3x transformers at equal batch; the
@@ -88,8 +90,40 @@ def sequence_bytes(engine, tokens: int) -> int:
     return rows * -(-entries // pool.page_size) * pool.page_bytes + state
 
 
-def measure(name: str, args, kv_bytes: int) -> dict:
-    """One cache's batch, decode and whole-generation tokens/s (module docstring)."""
+def timed(fn, device) -> float:
+    """Seconds of ``fn()``, the device's queued work included."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def step_ms(engine, prompts: list[list[int]], new: int) -> float:
+    """Milliseconds per decode step (each sequence's per-token latency) of a generation of ``prompts``, ``new``
+    tokens each (the engine's decode forwards)."""
+    from dmc_train.inference.sampling import SamplingParams
+
+    before = dict(engine.stats)
+    engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    steps = (engine.stats["decode_tokens"] - before["decode_tokens"]) / len(prompts)
+    return 1e3 * (engine.stats["decode_s"] - before["decode_s"]) / steps
+
+
+def first_token_seconds(engine, prompts: list[list[int]], device) -> tuple[float, float]:
+    """Seconds until every prompt has its first token: all of them in one ``generate`` (their prefills batched) and
+    one ``generate`` per prompt in turn."""
+    from dmc_train.inference.sampling import SamplingParams
+
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    return (timed(lambda: engine.generate(prompts, one), device),
+            timed(lambda: [engine.generate([p], one) for p in prompts], device))
+
+
+def measure(name: str, args, kv_bytes: int, equal_batch: int | None) -> dict:
+    """One cache's batch, decode and whole-generation tokens/s, its per-token latency at ``equal_batch`` sequences
+    (the full cache's batch; None: the cache is the full one, measured at its own), and for the full cache the time
+    to first token batched and serial (module docstring)."""
     from dmc_train.inference.engine import Engine
     from dmc_train.inference.sampling import SamplingParams
 
@@ -118,8 +152,12 @@ def measure(name: str, args, kv_bytes: int) -> dict:
               "wall_tps": statistics.median(wall), "step_read_bytes": read,
               "preemptions": engine.stats["preemptions"]}
     result["read_per_s"] = read * result["decode_tps"] / batch
-    if name == "full" and args.hf:
-        result["hf_tps"] = hf_generate(model, prompts, args)
+    result["equal_batch"] = min(equal_batch or batch, batch)
+    result["step_ms_equal_batch"] = step_ms(engine, prompts[: result["equal_batch"]], min(args.new, 64))
+    if name == "full":
+        result["ttft_batched_s"], result["ttft_serial_s"] = first_token_seconds(engine, prompts, model.device)
+        if args.hf:
+            result["hf_tps"] = hf_generate(model, prompts, args)
     del engine, model
     gc.collect()
     if args.device.startswith("cuda"):
@@ -155,12 +193,17 @@ def report(results: list[dict], bandwidth: float, args) -> None:
     print(f"\n{args.shape} shape, {args.layers or SHAPES[args.shape][0]} layers, {args.dtype}, {args.device}; prompt "
           f"{args.prompt}, {args.new} generated; KV budget {args.kv_bytes / 2 ** 20:,.0f} MiB; copy bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s; median of {args.rounds} generations")
-    print("cache | batch | MiB/seq | decode tok/s | x full | whole generation tok/s | step reads / copy bandwidth")
+    print("cache | batch | MiB/seq | decode tok/s | x full | whole generation tok/s | step reads / copy bandwidth | "
+          "ms per step at equal batch")
     for r in results:
         x = f"{r['decode_tps'] / full['decode_tps']:.2f}" if full else "-"
         print(f"{r['name']:18s} | {r['batch']:5d} | {r['bytes_per_seq'] / 2 ** 20:8.1f} | {r['decode_tps']:9.0f} | "
-              f"{x:>5s} | {r['wall_tps']:9.0f} | {r['read_per_s'] / bandwidth:.0%}"
+              f"{x:>5s} | {r['wall_tps']:9.0f} | {r['read_per_s'] / bandwidth:4.0%} | "
+              f"{r['step_ms_equal_batch']:7.2f} (batch {r['equal_batch']})"
               + (f" | {r['preemptions']} preemptions (the batch did not fit)" if r["preemptions"] else ""))
+    if full:
+        print(f"time to first token of {full['batch']} prompts: {full['ttft_batched_s']:.2f} s batched, "
+              f"{full['ttft_serial_s']:.2f} s one at a time ({full['ttft_serial_s'] / full['ttft_batched_s']:.1f}x)")
     print("\ngoals:")
     if full:
         for name, goal in [("pool2", 1.8), ("pool4", 3.4)] + [(n, 3.0) for n in by if n.endswith("_1of4")]:
@@ -229,8 +272,9 @@ def main() -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(1024, 5, device)
     results = []
-    for name in args.caches:
-        results.append(measure(name, args, args.kv_bytes))
+    for name in sorted(args.caches, key=list(CACHES).index):  # the full cache first: its batch is the equal batch
+        equal = next((r["batch"] for r in results if r["name"] == "full"), None)
+        results.append(measure(name, args, args.kv_bytes, equal))
         r = results[-1]
         print(f"{name}: batch {r['batch']}, decode {r['decode_tps']:.0f} tok/s", flush=True)
     with open(os.path.join(args.out, "gpu_decode.json"), "w") as f:
