@@ -85,7 +85,7 @@ def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale, tiles_per_spli
 
 @triton.jit
 def _merge_splits_kernel(PART, PART_LSE, LENS, OUT, LSE, S, PROBS_OUT, splits, L,
-                         s_pr, s_ps, s_pg, s_lr, s_ls, s_or, s_og, s_sr, s_sg, s_qr,
+                         s_pr, s_ps, s_pg, s_lr, s_ls, s_or, s_og, s_sr, s_sg, s_probs,
                          G, DV, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_L: tl.constexpr,
                          PROBS: tl.constexpr):
     # one program per row: the splits' partial outputs weighted by exp(lse_split - lse); PROBS: S's per-head logits
@@ -118,7 +118,7 @@ def _merge_splits_kernel(PART, PART_LSE, LENS, OUT, LSE, S, PROBS_OUT, splits, L
             held = heads[:, None] & (i < n)[None, :]
             logit = tl.load(S + r * s_sr + g[:, None] * s_sg + i[None, :], mask=held, other=0.0)
             p = tl.where(held, tl.exp(logit - tl.where(heads, total, 0.0)[:, None]), 0.0)
-            tl.store(PROBS_OUT + r * s_qr + i, tl.sum(p, 0), mask=i < L)
+            tl.store(PROBS_OUT + r * s_probs + i, tl.sum(p, 0), mask=i < L)
 
 
 def _pow2(x: int, least: int = 16) -> int:
@@ -156,7 +156,8 @@ def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: fl
         max_len = block_table.shape[1] * k_pages.shape[1]
     L = max_len if max_len is not None else int(seq_lens.max()) if R else 0
     per_split = tiles_per_split or split_tiles(R, L, q.device)
-    splits = max(1, -(-(-(-L // TILE)) // per_split))  # ceil(tiles / per_split)
+    tiles = -(-L // TILE)
+    splits = max(1, -(-tiles // per_split))
     part = torch.empty(R, splits, G, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(R, splits, G, dtype=torch.float32, device=q.device)
     out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)

@@ -218,11 +218,9 @@ class KVCache:
         ``q [B, H, d]`` over the rows, new entries included -> ``[B * H_kv, G, d_v]``."""
         if step.loan is None:
             return self.attend_planned(step, layer, q, (k, v, step.flat[layer]))
-        b, h, d = q.shape
         pool = self.pool
         return paged_append_decode(pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens, step.rows[layer], k,
-                                   v, q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d), self.scale,
-                                   *step.loan)
+                                   v, self.row_queries(q), self.scale, *step.loan)
 
     def attend_planned(self, step: DecodeStep, layer: int, q: torch.Tensor,
                        append: tuple[torch.Tensor, torch.Tensor, torch.Tensor], **outputs):
@@ -230,9 +228,14 @@ class KVCache:
         :meth:`step_plan`), each row's new entry ``append = (k, v, flat slots [N])`` written first -> ``[B * H_kv, G,
         d_v]``, with the per-entry scores and log-sum-exps that ``outputs`` asks for (``scores``, ``return_lse``:
         :meth:`PagePool.attend_planned`)."""
+        return self.pool.attend_planned(self.step_plan(step), self.row_queries(q), self.scale, index=layer,
+                                        append=append, **outputs)
+
+    def row_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """A decode step's queries ``q [B, H, d]`` as the rows attend them: ``[B * H_kv, G, d]`` (row ``b H_kv + j``
+        holds sequence b's G query heads of KV head j)."""
         b, h, d = q.shape
-        q = q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
-        return self.pool.attend_planned(self.step_plan(step), q, self.scale, index=layer, append=append, **outputs)
+        return q.reshape(b * self.num_kv_heads, h // self.num_kv_heads, d)
 
     def step_plan(self, step: DecodeStep) -> DecodePlan:
         """The attention plan of a planned ``step`` (built in :meth:`begin_decode`; a cache may build it later)."""

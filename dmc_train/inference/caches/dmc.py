@@ -129,8 +129,8 @@ class DMCCache(KVCache):
 
     def _decode_rows(self, rows, loan: PageLoan, q, k, v, info: TokenInfo) -> torch.Tensor:
         """:meth:`decode` of the layer's ``rows [B * H_kv]`` with the pages of ``loan``."""
-        b, h, d = q.shape
-        q = q.view(len(rows), h // self.num_kv_heads, d)
+        b, h, _ = q.shape
+        q = self.row_queries(q)
         pool = self.pool
         step = (pool.k_pages, pool.v_pages, pool.block_table, pool.seq_lens, rows, info.alpha, info.omega, k, v,
                 self.open_state, self.open_tokens)
