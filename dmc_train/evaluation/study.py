@@ -276,7 +276,8 @@ def train_cell(cell: Cell, preset: Preset, base_dir: str, out: str, log: str, sa
         if not os.path.exists(os.path.join(start, "meta.json")):
             _python(["checkpoints_tools.convert_gqa", "--input", base_dir, "--output", start,
                      "--groups", str(cell.gqa_groups)], log)
-    args = [a.format(base=base_dir, budget=cell.budget(base_config(preset).train.seq_length)) for a in cell.train]
+    args = _imported_base_training(preset, base_dir)
+    args += [a.format(base=base_dir, budget=cell.budget(base_config(preset).train.seq_length)) for a in cell.train]
     args += list(preset.model)
     if cell.gqa_groups:
         args += [f"checkpoint.init_from={start}", f"model.num_query_groups={cell.gqa_groups}"]
@@ -287,6 +288,18 @@ def train_cell(cell: Cell, preset: Preset, base_dir: str, out: str, log: str, sa
         say(f"training {cell.name}: {' '.join(args)} (log {log})")
         _python(["launch.pretrain", *args], log)
     return run_dir
+
+
+def _imported_base_training(preset: Preset, base_dir: str) -> list[str]:
+    """What a retrofit of an imported base starts from (none for a recipe's base, whose cells name a recipe): the
+    checkpoint's model, its held-out data in its tokenizer, the preset's base settings (sequence length, batch) and
+    its weights as ``checkpoint.init_from``."""
+    from dmc_train.evaluation.imported import imported_checkpoint, imported_overrides
+
+    if imported_checkpoint(list(preset.base)) is None:
+        return []
+    inherited = [o for o in imported_overrides(list(preset.base)) if not o.startswith(("checkpoint.resume=", "run_name="))]
+    return [*inherited, f"checkpoint.init_from={base_dir}"]
 
 
 def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None, device: str = "cpu") -> dict:

@@ -103,3 +103,30 @@ def test_missing_data_no_tokenizer_and_a_larger_vocabulary_fail_in_one_line(impo
                 f"data.tokenizer={tmp_path / 'big'}", "run_name=big", *EVAL], env=ENV, check=False, cwd=str(tmp_path))
     assert_one_line_error(proc, "the tokenizer has 600 tokens but the model's vocab_size is 512")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_study_retrofits_an_imported_model_from_its_weights_and_data(imported, monkeypatch):
+    """A study whose base is an imported checkpoint: a GQA cell converts it, trains from the conversion on the
+    held-out splits' training text in the model's tokenizer at the preset's sequence length, then evaluates."""
+    from dmc_train.evaluation import study
+
+    monkeypatch.chdir(imported)
+    monkeypatch.setenv(study.ROOT_ENV, str(imported))
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    ckpt = imported / "inits" / "tiny"
+    preset = study.Preset(base=(f"checkpoint.resume={ckpt}", "train.seq_length=64", "train.micro_batch_size=4"),
+                          max_sequences=2, cells=())
+    cell = study.Cell("gqa2", "GQA", 0.5, gqa_groups=2,
+                      train=("train.max_steps=2", "train.global_batch_size=4", "train.eval_interval=2",
+                             "checkpoint.save_interval=2"))
+    before = sorted(os.listdir(ckpt))
+    lines = []
+    result = study.run_cell(cell, preset, str(imported / "study"), lines.append)
+    assert any(line.startswith("training gqa2") for line in lines)
+    assert sorted(os.listdir(ckpt)) == before  # nothing written beside the imported weights
+    config = (imported / "study" / "runs" / "gqa2" / "config.yaml").read_text()
+    tokenizer = ckpt / "tokenizer"
+    assert f"init_from: {imported / 'study' / 'runs' / 'base_gqa2'}" in config  # the conversion of the import
+    assert f"tokenizer: {tokenizer}" in config and "vocab_size: 512" in config and "seq_length: 64" in config
+    assert result["compression"] == 4.0 and result["cache"] == "full"  # 2 KV heads where the model has 8 query heads
