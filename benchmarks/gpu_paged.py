@@ -82,7 +82,8 @@ def timer(device):
 
 
 def paged_call(q, pages, scale: float, scores=None):
-    """The kernel as a decode step's plan calls it: ``pages`` from :func:`paged_rows`, the longest row given."""
+    """The kernel as a decode step's plan calls it: ``pages`` from :func:`paged_rows`, the longest row given as the
+    bound on the rows (the scores' width)."""
     from kernels.paged.triton_kernels import paged_attention_triton
 
     k, v, table, lens = pages

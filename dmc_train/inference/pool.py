@@ -245,16 +245,16 @@ class PagePool:
         return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale,
                                scores=scores, return_lse=return_lse, check_values=False)
 
-    def plan(self, rows: torch.Tensor, lens: Optional[torch.Tensor] = None) -> DecodePlan:
+    def plan(self, rows: torch.Tensor, lens: Optional[torch.Tensor] = None, max_len: Optional[int] = None) -> DecodePlan:
         """What :meth:`attend_planned` over ``rows [..., n]`` needs beside q, computed once
         (:func:`kernels.paged.paged_decode_plan`). ``lens [n]``: the rows' lengths (default ``seq_lens`` of
         ``rows``, which must be 1-d then); with leading dims (e.g. ``[layers, n]``), the rows of every leading
-        index must hold ``lens``."""
-        return self.plan_table(self.block_table[rows], self.seq_lens[rows] if lens is None else lens)
+        index must hold ``lens``; ``max_len``: a bound on them the caller knows (an eviction policy's budget)."""
+        return self.plan_table(self.block_table[rows], self.seq_lens[rows] if lens is None else lens, max_len)
 
-    def plan_table(self, table: torch.Tensor, lens: torch.Tensor) -> DecodePlan:
+    def plan_table(self, table: torch.Tensor, lens: torch.Tensor, max_len: Optional[int] = None) -> DecodePlan:
         """:meth:`plan` of rows whose block table ``[..., n, max_pages]`` (``block_table[rows]``) the caller took."""
-        return paged_decode_plan(table, lens, self.page_size, self.page_bytes, self.dtype)
+        return paged_decode_plan(table, lens, self.page_size, self.page_bytes, self.dtype, max_len)
 
     def attend_planned(self, plan: DecodePlan, q: torch.Tensor, scale: float, index: Optional[int] = None,
                        scores: str | None = None, return_lse: bool = False,

@@ -253,15 +253,15 @@ def paged_attention(
 
 
 def paged_decode_plan(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, page_bytes: int,
-                      dtype: torch.dtype | None = None) -> DecodePlan:
+                      dtype: torch.dtype | None = None, max_len: int | None = None) -> DecodePlan:
     """The :class:`DecodePlan` of rows holding ``seq_lens [R]`` entries with block table ``[..., R, max_pages]``
     (leading dims: e.g. the layers of a decode step whose rows hold equal lengths; a call picks one with
     ``index``); ``page_bytes``: a K page plus a V page. Not validated: the caller builds the table (the
     engine's pool). When a kernel reads the table itself (:func:`reads_block_table` for the pages' ``dtype``;
-    None: the PyTorch path's plan), only the table, the lengths and the longest row are kept (no groups)."""
+    None: the PyTorch path's plan), only the table, the lengths and ``max_len``, the caller's bound on the rows
+    (the scores' width; None: none known), are kept: no groups, nothing read on the host."""
     if reads_block_table(seq_lens.device, dtype):
-        return DecodePlan(seq_lens.shape[0], int(seq_lens.max()) if len(seq_lens) else 0, seq_lens, None,
-                          block_table)
+        return DecodePlan(seq_lens.shape[0], max_len, seq_lens, None, block_table)
     return plan_decode(block_table, seq_lens, page_size, page_bytes)
 
 

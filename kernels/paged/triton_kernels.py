@@ -2,17 +2,18 @@
 CPU tensors they run under ``TRITON_INTERPRET=1``, which is how they are tested here). Layouts as in
 ``kernels/paged/__init__.py``; all math in fp32 (loads are cast before ``tl.dot``).
 
-- ``paged_attention_triton``: split-K decode attention (flash-decoding). Program ``(r, s)`` takes row r's G query
-  heads (padded to 16 for ``tl.dot``) and the tiles ``[s * T, (s + 1) * T)`` of ``TILE`` entries of the row (a tile
-  spans ``TILE / page_size`` pages, each entry's page read from the block table), runs an online softmax over them
-  and writes a partial output and its log-sum-exp. A second kernel merges the splits by their log-sum-exps (one
-  program per row). Long rows are spread over many programs, as many splits as fill the device
-  (:func:`split_tiles`); short rows end after their tiles. With ``scores`` the same pass also stores each entry's
-  logits: per head into an fp32 buffer ``[R, G, L]`` ("probs": the merge turns them into softmax weights with the
-  merged log-sum-exp of the head and sums them over G), or already summed over the G heads into ``[R, L]``
-  ("logits"). K and V are read once. ``max_len`` (the longest row, the scores' width) may come from the caller
-  (a decode step's plan, computed once for every layer); else the block table's width bounds it, or, with scores,
-  it is read from the lengths.
+- ``paged_attention_triton``: split-K decode attention (flash-decoding). The grid is ``(R, splits)``, ``splits``
+  from the number of rows and the block table's width alone (:func:`split_count`: as many as fill the device), so
+  a decode step launches the same grid whatever its rows hold and never reads the lengths on the host (a CUDA graph
+  can capture it). Program ``(r, s)`` reads row r's length, takes its share ``s`` of the row's tiles of ``TILE``
+  entries (a tile spans ``TILE / page_size`` pages, each entry's page read from the block table) with row r's G
+  query heads (padded to 16 for ``tl.dot``), runs an online softmax over them and writes a partial output and its
+  log-sum-exp; a share past the row's tiles is empty. A second kernel merges the splits by their log-sum-exps (one
+  program per row). With ``scores`` the same pass also stores each entry's logits: per head into an fp32 buffer
+  ``[R, G, L]`` ("probs": the merge turns them into softmax weights with the merged log-sum-exp of the head and
+  sums them over G), or already summed over the G heads into ``[R, L]`` ("logits"); K and V are read once. ``L``,
+  the scores' width, is ``max_len`` when the caller bounds the rows (a decode step's plan: an eviction policy's
+  budget), else the longest row read from the lengths.
 - ``paged_write_triton``: one program per entry written.
 - ``dmc_cache_update_triton``: the pages the appends start taken from the step's loan in one program
   (``take_spare_pages_triton``), then one program per row: Algorithm 1's merge-or-append on the open slot's
@@ -34,7 +35,7 @@ TILE = 64  # entries per inner step of the decode kernel (several pages at page 
 
 
 @triton.jit
-def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale, tiles_per_split,
+def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale,
                          s_qr, s_qg, s_kp, s_ks, s_vp, s_vs, s_btr, s_or, s_os, s_og, s_lr, s_ls, s_sr, s_sg,
                          G, D, DV, PAGE: tl.constexpr, TILE: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, STORE_S: tl.constexpr):
@@ -51,8 +52,10 @@ def _paged_decode_kernel(Q, KP, VP, BT, LENS, OUT, LSE, S, scale, tiles_per_spli
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    first = s * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, (n + TILE - 1) // TILE)
+    tiles = (n + TILE - 1) // TILE
+    share = (tiles + tl.num_programs(1) - 1) // tl.num_programs(1)  # this row's tiles per split
+    first = s * share
+    last = tl.minimum(first + share, tiles)
     for tile in range(first, last):
         entry = tile * TILE + j
         valid = entry < n
@@ -133,31 +136,24 @@ def _programs_to_fill(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_tiles(rows: int, max_len: int, device: torch.device) -> int:
-    """Tiles each program of :func:`paged_attention_triton` takes: the longest row's tiles spread over as many
-    splits as, with ``rows`` rows, fill the device (one split per row when the rows alone do)."""
-    tiles = max(1, -(-max_len // TILE))
-    splits = min(tiles, max(1, -(-_programs_to_fill(device) // max(rows, 1))))
-    return -(-tiles // splits)
+def split_count(rows: int, capacity: int, device: torch.device) -> int:
+    """Splits per row of :func:`paged_attention_triton`: as many as, with ``rows`` rows, fill the device (one when the
+    rows alone do), at most the tiles of a row of ``capacity`` entries (the block table's width)."""
+    return max(1, min(-(-capacity // TILE), -(-_programs_to_fill(device) // max(rows, 1))))
 
 
 def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: float, scores: str | None = None,
-                           return_lse: bool = False, max_len: int | None = None, tiles_per_split: int | None = None):
+                           return_lse: bool = False, max_len: int | None = None, splits: int | None = None):
     """:func:`kernels.paged.paged_attention` on validated inputs; ``out [R, G, d_v]`` in q's dtype, then
     ``s [R, L] fp32`` when ``scores`` is ``"probs"`` / ``"logits"`` and ``lse [R, G] fp32`` with ``return_lse``.
-    ``max_len``: ``max(seq_lens)`` when the caller knows it (no read of the lengths on the host; without scores, the
-    block table's width bounds it, and splits past a row's length end at once); ``tiles_per_split``: default
-    :func:`split_tiles`."""
+    ``max_len``: a bound on the rows' lengths, the scores' width ``L`` (without it and with scores, the longest row,
+    read on the host); ``splits``: default :func:`split_count`."""
     R, G, d = q.shape
     dv = v_pages.shape[2]
     q, k_pages, v_pages = q.contiguous(), k_pages.contiguous(), v_pages.contiguous()
     block_table = block_table.contiguous()
-    if max_len is None and scores is None:  # the table's width bounds the rows: the lengths stay on the device
-        max_len = block_table.shape[1] * k_pages.shape[1]
-    L = max_len if max_len is not None else int(seq_lens.max()) if R else 0
-    per_split = tiles_per_split or split_tiles(R, L, q.device)
-    tiles = -(-L // TILE)
-    splits = max(1, -(-tiles // per_split))
+    L = 0 if scores is None else max_len if max_len is not None else int(seq_lens.max()) if R else 0
+    splits = splits or split_count(R, block_table.shape[1] * k_pages.shape[1], q.device)
     part = torch.empty(R, splits, G, dv, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(R, splits, G, dtype=torch.float32, device=q.device)
     out = torch.empty(R, G, dv, dtype=q.dtype, device=q.device)
@@ -175,7 +171,7 @@ def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: fl
         s_sg = 0
     if R:
         _paged_decode_kernel[(R, splits)](
-            q, k_pages, v_pages, block_table, seq_lens, part, part_lse, s, scale, per_split,
+            q, k_pages, v_pages, block_table, seq_lens, part, part_lse, s, scale,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
             block_table.stride(0), part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0),
             part_lse.stride(1), s_sr, s_sg, G, d, dv, PAGE=k_pages.shape[1], TILE=TILE, BLOCK_G=_pow2(G),
@@ -192,8 +188,8 @@ def paged_attention_triton(q, k_pages, v_pages, block_table, seq_lens, scale: fl
 def paged_attention_planned_triton(q, k_pages, v_pages, plan, scale: float, scores: str | None = None,
                                    return_lse: bool = False, index: int | None = None, append=None):
     """:func:`kernels.paged.paged_attention_planned` on a plan that keeps the block table: each row's new entry
-    written first (:func:`~.writes.write_slots_torch`), then :func:`paged_attention_triton` with the plan's longest
-    row (no read of the lengths per call)."""
+    written first (:func:`~.writes.write_slots_torch`), then :func:`paged_attention_triton` with the plan's bound on
+    the rows (the scores' width; no read of the lengths)."""
     if append is not None:
         k, v, slots = append
         write_slots_torch(k_pages, v_pages, slots, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]))

@@ -65,10 +65,11 @@ class DecodePlan:
     leading dims (e.g. ``[layers, ...]``: several layers whose rows hold equal lengths share one plan, and a
     call picks one with ``index``). ``max_len``: the longest row (the width of the scores); ``block_table``
     and ``lens``: what the plan was built from; ``groups`` None: a plan for a kernel that reads the block table
-    itself (only the table, the lengths and ``max_len``)."""
+    itself (only the table, the lengths and ``max_len``, then a bound on the rows that the caller knew, or None:
+    a kernel that needs the scores' width reads the longest row)."""
 
     rows: int
-    max_len: int
+    max_len: Optional[int]
     lens: torch.Tensor
     groups: Optional[list[RowGroup]]
     block_table: torch.Tensor

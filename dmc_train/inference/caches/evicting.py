@@ -294,12 +294,14 @@ class EvictingCache(KVCache):
     def _plan(self, rows: torch.Tensor, lens: torch.Tensor, n_full: int) -> DecodePlan:
         """The attention plan of ``rows [layers, N]`` holding ``lens [N]`` entries after the step. While every
         row of an unchanged batch is at its budget nothing grows and no page is taken, so the plan of the last
-        such step is reused."""
+        such step is reused. An evicting row never holds more than the budget: the bound the plan keeps (the scores'
+        width; no read of the lengths on the host)."""
+        bound = self.budget if self.evicting else None
         if n_full < len(lens):
-            return self.pool.plan(rows, lens)
+            return self.pool.plan(rows, lens, bound)
         cached = self._full_plan
         if cached is None or cached[0] is not self._batch_rows:
-            cached = self._full_plan = (self._batch_rows, self.pool.plan(rows, lens))
+            cached = self._full_plan = (self._batch_rows, self.pool.plan(rows, lens, bound))
         return cached[1]
 
     def _finish(self, step: EvictionStep) -> None:

@@ -50,8 +50,8 @@ def test_paged_decode_kernel_matches_the_reference(G, d, dv, page_size, device):
     k, v, table, seq_lens = paged_rows(lens, page_size, d, dv, device)
     q = torch.randn(len(lens), G, d).to(device)
     want = reference_paged_attention(q, k, v, table, seq_lens)
-    for split in (1, None):  # split-K over tiles (rows with empty splits too), merged by log-sum-exps; default
-        got = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, tiles_per_split=split)
+    for splits in (4, None):  # a row's tiles shared by 4 programs (empty shares too), merged by log-sum-exps; default
+        got = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, splits=splits)
         torch.testing.assert_close(got, want, **fp32_tol(device))
 
 
@@ -125,15 +125,18 @@ def test_paged_decode_kernel_scores_match_the_reference(kind, G, d, page_size, d
     q = torch.randn(len(lens), G, d, generator=torch.Generator().manual_seed(G)).to(device)
     want_out, want_s = reference_paged_attention(q, k, v, table, seq_lens, scores=kind)
     tol = fp32_tol(device)
-    for split in (1, None):  # splits of one tile merged by log-sum-exps (the lse behind "probs"); the default
-        out, s = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, tiles_per_split=split)
+    for splits in (3, None):  # shares of a row's tiles merged by log-sum-exps (the lse behind "probs"); the default
+        out, s = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, splits=splits)
         assert s.shape == (len(lens), max(lens)) and s.dtype == torch.float32
         torch.testing.assert_close(s, want_s, **tol)
         torch.testing.assert_close(out, want_out, **tol)
-        plain = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, tiles_per_split=split)
+        plain = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, splits=splits)
         torch.testing.assert_close(out, plain, rtol=0, atol=0)  # out unchanged by the scores
-        _, _, lse = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, return_lse=True,
-                                           max_len=max(lens), tiles_per_split=split)  # the longest row given
+        _, bounded, lse = paged_attention_triton(q, k, v, table, seq_lens, d ** -0.5, scores=kind, return_lse=True,
+                                                 max_len=max(lens) + 37, splits=splits)  # a bound on the rows given
+        assert bounded.shape == (len(lens), max(lens) + 37)  # the bound is the scores' width, 0 past every row
+        torch.testing.assert_close(bounded[:, :max(lens)], want_s, **tol)
+        assert (bounded[:, max(lens):] == 0).all()
         want_lse = reference_paged_attention(q, k, v, table, seq_lens, return_lse=True)[1]
         torch.testing.assert_close(lse, want_lse, **tol)
     assert (s[torch.arange(max(lens), device=device) >= seq_lens[:, None].long()] == 0).all()
