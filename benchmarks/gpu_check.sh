@@ -158,7 +158,8 @@ if ! skipped tests; then
     tests/kernels/dmc tests/kernels/less tests/kernels/paged/test_paged_triton.py tests/test_dmc_method.py \
     tests/models tests/test_device_resume.py tests/test_device_errors.py tests/inference/test_engine.py \
     tests/inference/test_inference_caches.py tests/inference/test_policy_caches.py tests/inference/test_hf_policy_cache.py \
-    tests/inference/test_backends_agree.py tests/inference/test_no_tensor_off_device.py tests/inference/test_no_host_sync.py \
+    tests/inference/test_backends_agree.py tests/inference/test_no_tensor_off_device.py \
+    tests/inference/test_no_host_sync.py \
     >"$DEST/tests.log" 2>&1
   rc=$?
   summary=$(grep -E "passed|failed|error" "$DEST/tests.log" | tail -1)

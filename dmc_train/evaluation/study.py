@@ -298,8 +298,9 @@ def _imported_base_training(preset: Preset, base_dir: str) -> list[str]:
 
     if imported_checkpoint(list(preset.base)) is None:
         return []
-    inherited = [o for o in imported_overrides(list(preset.base)) if not o.startswith(("checkpoint.resume=", "run_name="))]
-    return [*inherited, f"checkpoint.init_from={base_dir}"]
+    inherited = imported_overrides(list(preset.base))
+    return [*(o for o in inherited if not o.startswith(("checkpoint.resume=", "run_name="))),
+            f"checkpoint.init_from={base_dir}"]
 
 
 def evaluate_cell(cell: Cell, preset: Preset, checkpoint_dir: str, progress=None, device: str = "cpu") -> dict:

@@ -245,7 +245,8 @@ class PagePool:
         return paged_attention(q, self.k_pages, self.v_pages, self.block_table[rows], self.seq_lens[rows], scale,
                                scores=scores, return_lse=return_lse, check_values=False)
 
-    def plan(self, rows: torch.Tensor, lens: Optional[torch.Tensor] = None, max_len: Optional[int] = None) -> DecodePlan:
+    def plan(self, rows: torch.Tensor, lens: Optional[torch.Tensor] = None,
+             max_len: Optional[int] = None) -> DecodePlan:
         """What :meth:`attend_planned` over ``rows [..., n]`` needs beside q, computed once
         (:func:`kernels.paged.paged_decode_plan`). ``lens [n]``: the rows' lengths (default ``seq_lens`` of
         ``rows``, which must be 1-d then); with leading dims (e.g. ``[layers, n]``), the rows of every leading
