@@ -2,7 +2,7 @@
 compiled on a GPU, under the interpreter on CPU). On a GPU each such read waits for the device, and a CUDA graph
 cannot capture a step that makes one; the plan of a step (:meth:`KVCache.begin_decode`) may read the host, once
 per step, before the layers. Caught here on any device: :class:`HostReads` records every ``.item()``, ``.tolist()``,
-``bool()``/``int()``/``float()`` of a tensor, ``.numpy()``, a data-dependent shape (``nonzero``, ``masked_select``,
+``bool()``/``int()``/``float()`` of a tensor, ``.numpy()``, ``torch.equal``/``allclose``, a data-dependent shape (``nonzero``, ``masked_select``,
 ``unique``, indexing by a boolean mask) and a tensor made from host data (``torch.tensor``) that the project's code
 makes while the model's layers run in a decode step.
 
@@ -28,7 +28,8 @@ from tests.inference.test_lightcache import SMALL
 
 T = torch.Tensor
 READS = {T.item, T.tolist, T.__bool__, T.__int__, T.__index__, T.__float__, T.numpy, T.nonzero, torch.nonzero,
-         torch.argwhere, T.masked_select, torch.masked_select, T.unique, torch.unique, torch.tensor, torch.as_tensor}
+         torch.argwhere, T.masked_select, torch.masked_select, T.unique, torch.unique, torch.equal, T.equal,
+         torch.allclose, T.allclose, torch.tensor, torch.as_tensor}
 CASES = [
     pytest.param("full", "full", {}, id="full"),
     *[pytest.param(v, "dmc", {}, id=v) for v in ("dmc_exact", "dmc_window", "dmc_pre", "dmc_hardc", "fixed_pooling")],
