@@ -2,9 +2,9 @@
 compiled on a GPU, under the interpreter on CPU). On a GPU each such read waits for the device, and a CUDA graph
 cannot capture a step that makes one; the plan of a step (:meth:`KVCache.begin_decode`) may read the host, once
 per step, before the layers. Caught here on any device: :class:`HostReads` records every ``.item()``, ``.tolist()``,
-``bool()``/``int()``/``float()`` of a tensor, ``.numpy()``, ``torch.equal``/``allclose``, a data-dependent shape (``nonzero``, ``masked_select``,
-``unique``, indexing by a boolean mask) and a tensor made from host data (``torch.tensor``) that the project's code
-makes while the model's layers run in a decode step.
+``bool()``/``int()``/``float()`` of a tensor, ``.numpy()``, ``torch.equal``/``allclose``, a data-dependent shape
+(``nonzero``, ``masked_select``, ``unique``, indexing by a boolean mask) and a tensor made from host data
+(``torch.tensor``) that the project's code makes while the model's layers run in a decode step.
 
 LightCache's step is not planned once: every layer grows its packed pages and reads the lengths on the host
 (``caches/lightcache.py``; docs/INFERENCE.md, "Limits"): a strict xfail, so the test says when that changes."""
