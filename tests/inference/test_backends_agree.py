@@ -90,3 +90,25 @@ def test_every_backend_generates_the_same(make_model, device, variant, cache, op
         assert [o.tokens for o in got] == [o.tokens for o in want], (first, name)
         assert [o.entries for o in got] == [o.entries for o in want], (first, name)
         assert got_kept == want_kept, (first, name)
+
+
+@pytest.mark.parametrize("variant, cache, options", [("full", "full", {}), ("fixed_pooling", "dmc", {}),
+                                                     ("full", "h2o", {"budget": 16})])
+def test_one_kv_head_generates_the_same_on_every_backend(device, variant, cache, options):
+    """A model with one KV head (MQA, or GQA converted to one group): a step's rows of one layer are then a strided
+    view of the batch's rows unless made contiguous, which the compiled kernels would read densely (rows of other
+    layers, pages taken that were never lent)."""
+    import dataclasses
+
+    from dmc_train.inference.model import LlamaForInference, random_weights
+    from tests.inference.conftest import VARIANTS
+
+    shape = dataclasses.replace(SHAPE, num_kv_heads=1)
+    model = LlamaForInference(shape, random_weights(shape), VARIANTS[variant], torch.float32, device=device)
+    kv_bytes = tight_pool(model, cache, options)
+    runs = {name: generate(model, cache, options, kv_bytes, name) for name in backends_here(device)}
+    (first, (want, want_kept)), *others = runs.items()
+    assert max(len(o.tokens) for o in want) == NEW and others
+    for name, (got, got_kept) in others:
+        assert [o.tokens for o in got] == [o.tokens for o in want], (first, name)
+        assert got_kept == want_kept, (first, name)

@@ -197,7 +197,8 @@ class KVCache:
         batch is unchanged."""
         batch = self.batch_rows(seq_ids)
         if self._step_rows is None or self._step_rows[0] is not batch:
-            self._step_rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1))
+            # contiguous: with one KV head the reshape is a strided view, and the kernels read a layer's rows densely
+            self._step_rows = (batch, batch.transpose(0, 1).reshape(self.num_layers, -1).contiguous())
         return self._step_rows[1]
 
     def lend_step(self, seq_ids: list[int], needed: Optional[int] = None) -> DecodeStep:
