@@ -70,6 +70,21 @@ def generate(model, cache: str, options: dict, kv_bytes: int, name: str):
         backend.set_backend("auto")
 
 
+def assert_backends_agree(model, cache: str, options: dict) -> list:
+    """Generates the prompts at a tight pool on every backend of the model's device and asserts the same tokens,
+    entries and kept positions; returns the first backend's outputs."""
+    names = backends_here(model.device)
+    assert len(names) >= 2, names  # torch and at least one of the others everywhere the suite runs
+    kv_bytes = tight_pool(model, cache, options)
+    runs = {name: generate(model, cache, options, kv_bytes, name) for name in names}
+    (first, (want, want_kept)), *others = runs.items()
+    for name, (got, got_kept) in others:
+        assert [o.tokens for o in got] == [o.tokens for o in want], (first, name)
+        assert [o.entries for o in got] == [o.entries for o in want], (first, name)
+        assert got_kept == want_kept, (first, name)
+    return want
+
+
 @pytest.mark.parametrize("variant, cache, options", CASES)
 def test_every_backend_generates_the_same(make_model, device, variant, cache, options):
     if variant == "less":
@@ -79,17 +94,9 @@ def test_every_backend_generates_the_same(make_model, device, variant, cache, op
         model = LlamaForInference(SHAPE, random_weights(SHAPE), less_weights(), torch.float32, device=device)
     else:
         model = make_model(variant)
-    names = backends_here(device)
-    assert len(names) >= 2, names  # torch and at least one of the others everywhere the suite runs
-    kv_bytes = tight_pool(model, cache, options)
-    runs = {name: generate(model, cache, options, kv_bytes, name) for name in names}
-    (first, (want, want_kept)), *others = runs.items()
+    want = assert_backends_agree(model, cache, options)
     if cache == "full":
         assert any(o.preemptions for o in want), "the pool should force a preemption"
-    for name, (got, got_kept) in others:
-        assert [o.tokens for o in got] == [o.tokens for o in want], (first, name)
-        assert [o.entries for o in got] == [o.entries for o in want], (first, name)
-        assert got_kept == want_kept, (first, name)
 
 
 @pytest.mark.parametrize("variant, cache, options", [("full", "full", {}), ("fixed_pooling", "dmc", {}),
@@ -105,10 +112,5 @@ def test_one_kv_head_generates_the_same_on_every_backend(device, variant, cache,
 
     shape = dataclasses.replace(SHAPE, num_kv_heads=1)
     model = LlamaForInference(shape, random_weights(shape), VARIANTS[variant], torch.float32, device=device)
-    kv_bytes = tight_pool(model, cache, options)
-    runs = {name: generate(model, cache, options, kv_bytes, name) for name in backends_here(device)}
-    (first, (want, want_kept)), *others = runs.items()
-    assert max(len(o.tokens) for o in want) == NEW and others
-    for name, (got, got_kept) in others:
-        assert [o.tokens for o in got] == [o.tokens for o in want], (first, name)
-        assert got_kept == want_kept, (first, name)
+    want = assert_backends_agree(model, cache, options)
+    assert max(len(o.tokens) for o in want) == NEW
