@@ -10,7 +10,7 @@ checkpoints, made on first use into ``runs/bench/ab/models`` by this checkout's 
 training step: speed does not depend on what the weights learned): ``base``, its GQA 2x conversion and a fixed-pooling
 2x model (DMC's cache at exactly 2x). Caches (``--caches``): ``full`` (base), ``gqa`` (the conversion), ``dmc`` (the
 pooling model), ``h2o``, ``tova``, ``lsh_e`` (base, ``--budget`` entries per KV head: they evict from the first
-decoded token on), ``less_free`` is not here (LESS needs a trained run).
+decoded token on), ``lightcache`` (base, :data:`LIGHTCACHE`); ``less_free`` is not here (LESS needs a trained run).
 
 One worker process per checkout (the same script, ``--worker <root>``, that checkout first on ``PYTHONPATH``: its
 ``dmc_train`` and ``kernels``) builds every engine once and generates once untimed (compiles, warms up). The
@@ -31,7 +31,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHES = {"full": ("base", "full"), "gqa": ("gqa2", "full"), "dmc": ("pool2", "dmc"), "h2o": ("base", "h2o"),
-          "tova": ("base", "tova"), "lsh_e": ("base", "lsh_e")}
+          "tova": ("base", "tova"), "lsh_e": ("base", "lsh_e"), "lightcache": ("base", "lightcache")}
+# LightCache compresses every token past its 4 + 32 full-width ones (from the 37th on), so that the step runs its
+# compression and selection
+LIGHTCACHE = {"local": 32, "top_k": 2, "segment": 8}
 OUT = os.path.join(ROOT, "runs", "bench", "ab")
 
 
@@ -91,7 +94,7 @@ def worker(root: str, spec: dict) -> None:
     engines = {}
     for name in spec["caches"]:
         model, cache = CACHES[name]
-        options = {"budget": spec["budget"]} if cache not in ("full", "dmc") else {}
+        options = {"full": {}, "dmc": {}, "lightcache": LIGHTCACHE}.get(cache, {"budget": spec["budget"]})
         engines[name] = Engine.from_checkpoint(spec["models"][model], cache=cache, max_batch=spec["batch"],
                                                **options)
         engines[name].generate(spec["prompts"], params)  # warm-up: compiled kernels, packed weights

@@ -157,13 +157,11 @@ def decompress(c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 # -- selection --------------------------------------------------------------------------------------
-def top_mask(key: torch.Tensor, count: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+def top_mask(key: torch.Tensor, count: torch.Tensor, eligible: torch.Tensor, most: int) -> torch.Tensor:
     """The ``count [...]`` eligible entries of ``key [..., C]`` with the largest keys (ties: lower index) as a
-    mask ``[..., C]``; ``count`` <= the eligible entries of its row."""
+    mask ``[..., C]``; ``count`` <= the eligible entries of its row, and <= ``most`` (<= C: a bound the caller
+    knows, so that nothing is read on the host)."""
     key = key.masked_fill(~eligible, float("-inf"))
-    most = int(count.max()) if count.numel() else 0
-    if most == 0:
-        return torch.zeros_like(eligible)
     kth = key.topk(most, dim=-1).values.gather(-1, (count - 1).clamp(min=0)[..., None])
     above = (key > kth) & eligible
     tied = (key == kth) & eligible
@@ -188,11 +186,11 @@ def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: i
     index = torch.arange(c, device=scores.device)
     exists = index < available[..., None]  # [N, T, C]
     count = available.clamp(max=k)  # [N, T] centres
-    votes = top_mask(scores, count[:, None].expand(n, g, t), exists[:, None].expand(n, g, t, c)).sum(1)
+    votes = top_mask(scores, count[:, None].expand(n, g, t), exists[:, None].expand(n, g, t, c), k).sum(1)
     votes = votes.to(scores.dtype)
     kth = votes.topk(k, dim=-1).values.gather(-1, (count - 1).clamp(min=0)[..., None])
     sure = (votes > kth) & exists
-    centres = sure | top_mask(scores.sum(1), count - sure.sum(-1), (votes == kth) & exists)
+    centres = sure | top_mask(scores.sum(1), count - sure.sum(-1), (votes == kth) & exists, k)
     start = (index - segment // 2).clamp(min=0)
     start = torch.minimum(start, (available[..., None] - segment).clamp(min=0))  # [N, T, C]
     end = torch.minimum(start + segment, available[..., None])

@@ -4,10 +4,7 @@ cannot capture a step that makes one; the plan of a step (:meth:`KVCache.begin_d
 per step, before the layers. Caught here on any device: :class:`HostReads` records every ``.item()``, ``.tolist()``,
 ``bool()``/``int()``/``float()`` of a tensor, ``.numpy()``, ``torch.equal``/``allclose``, a data-dependent shape
 (``nonzero``, ``masked_select``, ``unique``, indexing by a boolean mask) and a tensor made from host data
-(``torch.tensor``) that the project's code makes while the model's layers run in a decode step.
-
-LightCache's step is not planned once: every layer grows its packed pages and reads the lengths on the host
-(``caches/lightcache.py``; docs/INFERENCE.md, "Limits"): a strict xfail, so the test says when that changes."""
+(``torch.tensor``) that the project's code makes while the model's layers run in a decode step."""
 
 import collections
 import traceback
@@ -36,8 +33,7 @@ CASES = [
     *[pytest.param("full", p, {"budget": 16}, id=p) for p in POLICIES],
     pytest.param("full", "h2o", {"schedule": "prefill", "compression_ratio": 0.5}, id="h2o_prefill"),
     pytest.param("less", "less", {}, id="less"),
-    pytest.param("full", "lightcache", SMALL, id="lightcache",
-                 marks=pytest.mark.xfail(strict=True, reason="LightCache grows its pages in every layer")),
+    pytest.param("full", "lightcache", SMALL, id="lightcache"),
 ]
 
 

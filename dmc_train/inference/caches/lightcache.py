@@ -27,12 +27,13 @@ sequence, as the paper's compression ratio counts them).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from dmc_train.errors import InferenceError, OutOfPages
-from dmc_train.inference.caches.base import KVCache, TokenInfo
+from dmc_train.inference.caches.base import DecodeStep, KVCache, TokenInfo
 from dmc_train.inference.pool import PagePool
 from dmc_train.policies.lightcache import Context, LightCache, compress, window_attention
 
@@ -109,12 +110,20 @@ class PackedPages:
         slot = index % self.per_page
         return page, slot.clamp(max=self.in_k - 1), (slot - self.in_k).clamp(min=0), slot < self.in_k
 
-    def write(self, rows: torch.Tensor, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store ``key [n, r_k]``, ``value [n, r_v]`` as entry ``index [n]`` of ``rows [n]`` (already extended)."""
-        page, in_k_slot, in_v_slot, in_k = self._where(rows, index)
-        for keys, values, slot, here in ((self.kk, self.kv, in_k_slot, in_k), (self.vk, self.vv, in_v_slot, ~in_k)):
-            keys[page[here], slot[here]] = key[here].to(keys.dtype)
-            values[page[here], slot[here]] = value[here].to(values.dtype)
+    def halves(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of the entries ``index [n]`` sit in a page's K half, and which in its V half: two index tensors
+        into ``[n]`` (:meth:`write` takes them; a plan computes them before the layers)."""
+        in_k = index % self.per_page < self.in_k
+        return in_k.nonzero().view(-1), (~in_k).nonzero().view(-1)
+
+    def write(self, rows: torch.Tensor, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              halves: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store ``key [n, r_k]``, ``value [n, r_v]`` as entry ``index [n]`` of ``rows [n]`` (already extended;
+        ``halves``: :meth:`halves` of ``index``)."""
+        page, slot = self.table[rows, index // self.per_page].long(), index % self.per_page
+        for keys, values, first, part in ((self.kk, self.kv, 0, halves[0]), (self.vk, self.vv, self.in_k, halves[1])):
+            keys[page[part], slot[part] - first] = key[part].to(keys.dtype)
+            values[page[part], slot[part] - first] = value[part].to(values.dtype)
 
     def keys(self, rows: torch.Tensor, count: int) -> torch.Tensor:
         """The first ``count`` compressed keys of ``rows [N]`` -> ``[N, count, r_k]``, read page by page (entries
@@ -126,6 +135,36 @@ class PackedPages:
         """Compressed values ``index [N, ...]`` of ``rows [N]`` -> ``[N, ..., r_v]`` (garbage past a row's length)."""
         page, in_k_slot, in_v_slot, in_k = self._where(rows, index)
         return torch.where(in_k[..., None], self.kv[page, in_k_slot], self.vv[page, in_v_slot])
+
+
+@dataclass
+class Block:
+    """``T`` new tokens per row, planned before the attention (:meth:`PagedLightCache.plan_block`: the host reads
+    and the pages taken are there, none in :meth:`~PagedLightCache._block`), for rows ``[N]``:
+
+    - ``t0 [N]`` int64: tokens each row held before the block (the new ones are ``t0 .. t0 + T - 1``);
+    - ``fresh``: the most tokens a row compresses in the block (those leaving its local window, at context slots
+      ``g .. g + fresh - 1``); ``count``: the compressed entries the block's queries may read (the most any row
+      holds after it);
+    - ``leaving [M]``, ``token [M]``, ``entry [M]``: each token compressed in the block, as its row (index into
+      ``[N]``), its place among its row's leaving tokens (``< fresh``) and its compressed entry; ``halves``: which
+      of them sit in a packed page's K half and which in its V half (:meth:`PackedPages.halves`)."""
+
+    t0: torch.Tensor
+    fresh: int
+    count: int
+    leaving: torch.Tensor
+    token: torch.Tensor
+    entry: torch.Tensor
+    halves: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LightCacheStep(DecodeStep):
+    """A decode step of LightCache: its rows ``[layers, N]`` and the one token each takes, planned once for every
+    layer (every layer's rows of a sequence hold the same tokens)."""
+
+    block: Optional[Block] = None
 
 
 class PagedLightCache(KVCache):
@@ -157,45 +196,63 @@ class PagedLightCache(KVCache):
     # -- the model's calls ------------------------------------------------------------------------
     def prefill(self, layer, seq_id, q, k, v, info: TokenInfo):
         rows, hk = self.rows[seq_id][layer], self.num_kv_heads
-        heads = torch.arange(hk, device=self.device)
-        out = self._block(layer, rows, heads, q[0].reshape(hk, -1, *q.shape[2:]), k[0], v[0], info)
+        block = self.plan_block(rows[None], k.shape[2])
+        out = self._block(layer, rows, torch.arange(hk, device=self.device), q[0].reshape(hk, -1, *q.shape[2:]),
+                          k[0], v[0], info, block)
         return out.reshape(1, -1, *out.shape[2:])
+
+    def begin_decode(self, seq_ids):
+        """Every layer's rows take one token each, planned once for all layers (:meth:`plan_block`): the layers
+        then read nothing on the host."""
+        rows = self.step_rows(seq_ids)
+        self._step = LightCacheStep(tuple(seq_ids), rows, block=self.plan_block(rows, 1))
 
     def decode(self, layer, seq_ids, q, k, v, info: TokenInfo):
         b, h, d = q.shape
         hk = self.num_kv_heads
-        rows = self.layer_rows(layer, seq_ids).flatten()
-        out = self._block(layer, rows, torch.arange(hk, device=self.device).repeat(b), q.reshape(b * hk, h // hk, 1, d),
-                          k.reshape(b * hk, 1, d), v.reshape(b * hk, 1, -1), info)
+        step = self._step_of(seq_ids)
+        out = self._block(layer, step.rows[layer], torch.arange(hk, device=self.device).repeat(b),
+                          q.reshape(b * hk, h // hk, 1, d), k.reshape(b * hk, 1, d), v.reshape(b * hk, 1, -1), info,
+                          step.block)
         return out.view(b, h, -1)
 
-    def _block(self, layer, rows, heads, q, k, v, info: TokenInfo) -> torch.Tensor:
-        """``T`` new tokens per row: ``rows [N]`` (KV heads ``heads [N]``), ``q [N, G, T, d]``, ``k [N, T, d]``,
-        ``v [N, T, d_v]`` before RoPE -> ``[N, G, T, d_v]``. Reads what the rows hold, attends, then writes."""
+    def plan_block(self, rows: torch.Tensor, t: int) -> Block:
+        """``t`` new tokens for each of ``rows [R, N]`` (the rows of R layers, whose row ``[i, n]`` holds as many
+        tokens as ``[0, n]``): the pages they take, taken now (full-width entries up to ``g + l``, compressed ones
+        past it), and what :meth:`_block` needs to know of them (:class:`Block`). Raises :class:`OutOfPages`,
+        changing nothing, when fewer pages are free."""
         s, pool, packed = self.settings, self.pool, self.packed
-        glob, loc, t = s.global_, s.local, k.shape[1]
-        held, c0 = pool.seq_lens[rows].long(), packed.lens[rows]
-        t0 = held + c0  # tokens already in each row
-        c1 = (t0 + t - glob - loc).clamp(min=0)  # compressed once the block is in
-        new_held = (t0 + t).clamp(max=glob + loc)
-        needed = pool.pages_needed(rows, new_held) + packed.pages_needed(rows, c1)
+        window, layers, every = s.global_ + s.local, rows.shape[0], rows.flatten()
+        c0 = packed.lens[rows[0]]
+        t0 = pool.seq_lens[rows[0]].long() + c0  # tokens already in each row
+        c1 = (t0 + t - window).clamp(min=0)  # compressed once the block is in
+        held, compressed = (t0 + t).clamp(max=window).repeat(layers), c1.repeat(layers)
+        needed = pool.pages_needed(every, held) + packed.pages_needed(every, compressed)
         if needed > len(pool.free_pages):
             raise OutOfPages(f"out of KV pages: {needed} needed, {len(pool.free_pages)} free of {pool.num_pages}")
+        packed.extend(every, compressed)
+        pool.grow(every, held)
+        fresh = int((c1 - c0).max()) if len(c0) else 0
+        leaving, token = (torch.arange(fresh, device=self.device) < (c1 - c0)[:, None]).nonzero(as_tuple=True)
+        entry = c0[leaving] + token
+        return Block(t0, fresh, int(c1.max()) if len(c1) else 0, leaving, token, entry, packed.halves(entry))
+
+    def _block(self, layer, rows, heads, q, k, v, info: TokenInfo, block: Block) -> torch.Tensor:
+        """The ``T`` new tokens of ``rows [N]`` (KV heads ``heads [N]``) planned as ``block`` (their pages taken):
+        ``q [N, G, T, d]``, ``k [N, T, d]``, ``v [N, T, d_v]`` before RoPE -> ``[N, G, T, d_v]``. Reads what the rows
+        hold, compresses the tokens leaving the local window, attends, then writes the new tokens."""
+        s, packed = self.settings, self.packed
+        glob = s.global_
         pk, pv = self.lightcache.projections.rows(layer, heads)
-        ctx = self._context(rows, t0, k, v)
-        # tokens leaving the local window in this block: compressed once, appended to the packed pages
-        fresh = int((c1 - c0).max())
-        if fresh:
-            j = torch.arange(fresh, device=self.device)
-            ok = j < (c1 - c0)[:, None]
-            packed.extend(rows, c1)
-            r = rows[:, None].expand(-1, fresh)
-            packed.write(r[ok], (c0[:, None] + j)[ok], compress(ctx.k[:, glob: glob + fresh], pk)[ok],
-                         compress(ctx.v[:, glob: glob + fresh], pv)[ok])
-        ctx.kc = packed.keys(rows, int(c1.max()) if len(c1) else 0)
+        ctx = self._context(rows, block.t0, k, v)
+        if block.fresh:  # tokens leaving the local window in this block: compressed once, into the packed pages
+            leaving = (block.leaving, block.token)
+            packed.write(rows[block.leaving], block.entry, compress(ctx.k[:, glob: glob + block.fresh], pk)[leaving],
+                         compress(ctx.v[:, glob: glob + block.fresh], pv)[leaving], block.halves)
+        ctx.kc = packed.keys(rows, block.count)
         ctx.values = lambda index: packed.values(rows, index)
-        out = window_attention(q, t0, ctx, pk, pv, s, info.rotate, self.scale)
-        self._store(rows, t0, new_held, k, v)
+        out = window_attention(q, block.t0, ctx, pk, pv, s, info.rotate, self.scale)
+        self._store(rows, block.t0, k, v)
         return out
 
     def _context(self, rows, t0, k, v) -> Context:
@@ -219,17 +276,18 @@ class PagedLightCache(KVCache):
         ctx_k[r, at], ctx_v[r, at] = k, v
         return Context(ctx_k, ctx_v, recent_start, None, None)
 
-    def _store(self, rows, t0, new_held, k, v) -> None:
-        """Write the new tokens that end the block in the global part or the local ring."""
-        s, pool = self.settings, self.pool
-        glob, loc = s.global_, s.local
+    def _store(self, rows, t0, k, v) -> None:
+        """Write the new tokens that end the block in the global part or the local ring (the rows grown)."""
+        glob, loc = self.settings.global_, self.settings.local
         t = k.shape[1]
         u = t0[:, None] + torch.arange(t, device=self.device)  # [N, T]
-        keep = (u < glob) | (u >= t0[:, None] + t - loc)
         slot = torch.where(u < glob, u, glob + (u - glob) % loc)
-        pool.grow(rows, new_held)
         r = rows[:, None].expand(-1, t)
-        pool.write(r[keep], slot[keep], k[keep], v[keep])
+        if t > loc:  # only the global tokens and the last ``loc`` stay (a decode step's one token always does)
+            keep = (u < glob) | (u >= t0[:, None] + t - loc)
+            self.pool.write(r[keep], slot[keep], k[keep], v[keep])
+        else:
+            self.pool.write(r.flatten(), slot.flatten(), k.flatten(0, 1), v.flatten(0, 1))
 
     def decode_pages_needed(self, seq_ids: list[int]) -> list[int]:
         """A page for a row whose full-width part grows past a page, or whose packed pages are full."""
