@@ -127,7 +127,7 @@ def _group(entry: dict) -> list[dict]:
     ``policies`` (names, or ``all``: every registered policy) at ``fractions`` under each of ``schedules``;
     ``lightcache`` (fraction -> its options); ``retrofits`` (fractions: GQA, when ``heads`` divide, DMC and Fixed
     Memory Pooling at 1/fraction); ``less`` (fractions: LESS on each of ``policies`` beside the policy alone, at
-    the bytes LESS's state leaves, ``extra`` entries fewer)."""
+    the bytes LESS's state leaves, ``extra`` entries fewer; ``train``: overrides after the regime ``less``'s)."""
     from dmc_train.policies import POLICIES
 
     if "name" in entry:
@@ -138,7 +138,7 @@ def _group(entry: dict) -> list[dict]:
             for p in entry["policies"]:
                 label = "Λ-masking" if p == "streaming_llm" else POLICIES[p].label  # the LESS paper's name for it
                 cells += [dict(name=f"less_{p}_{tag(f)}", method=f"LESS ({label})", fraction=f, cache="less",
-                               train=["@less", f"method.policy={p}"], budget_offset=extra),
+                               train=["@less", f"method.policy={p}", *entry.get("train", [])], budget_offset=extra),
                           dict(name=f"baseline_{p}_{tag(f)}", method=f"Baseline ({label})", fraction=f, cache=p,
                                budget_offset=extra)]
         return cells

@@ -95,10 +95,15 @@ def test_a_preset_file_expands_its_groups_regimes_and_notes(tmp_path):
             "cells": [{"name": "vanilla", "method": "vanilla", "fraction": 1.0, "cache": "full"},
                       {"policies": ["h2o"], "fractions": [0.25, 0.125], "schedules": ["decode", "prefill"]},
                       {"name": "gqa4", "method": "GQA", "fraction": 0.25, "gqa_groups": 2,
-                       "train": ["@short", "train.max_steps=3"]}]}
-    preset = study.preset_of(spec, {"short": ["@lr", "train.max_steps=2"], "lr": ["optim.lr=1e-3"]})
+                       "train": ["@short", "train.max_steps=3"]},
+                      {"less": [0.25], "policies": ["tova"], "train": ["@lr"]}]}
+    regimes = {"short": ["@lr", "train.max_steps=2"], "lr": ["optim.lr=1e-3"], "less": ["+recipe=less_tiny"]}
+    preset = study.preset_of(spec, regimes)
     cells = {c.name: c for c in preset.cells}
-    assert list(cells) == ["vanilla", "h2o_1of4", "h2o_1of8", "h2o_1of4_prefill", "h2o_1of8_prefill", "gqa4"]
+    assert list(cells) == ["vanilla", "h2o_1of4", "h2o_1of8", "h2o_1of4_prefill", "h2o_1of8_prefill", "gqa4",
+                           "less_tova_1of4", "baseline_tova_1of4"]
+    assert cells["less_tova_1of4"].train == ("+recipe=less_tiny", "method.policy=tova", "optim.lr=1e-3")
+    assert cells["baseline_tova_1of4"].cache == "tova" and cells["baseline_tova_1of4"].budget_offset == 4
     assert cells["h2o_1of8_prefill"].options == {"schedule": "prefill", "compression_ratio": 0.875}
     assert cells["h2o_1of8_prefill"].method == "H2O (prefill)"
     assert cells["gqa4"].train == ("optim.lr=1e-3", "train.max_steps=2", "train.max_steps=3")
