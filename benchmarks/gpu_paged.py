@@ -180,11 +180,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--batch", type=int, help="default: 64 on a GPU, 2 on the CPU")
+    parser.add_argument("--kv-heads", type=int, help="default: 8 on a GPU, 2 on the CPU")
+    parser.add_argument("--tokens", type=int, help="default: 4096 on a GPU, 128 on the CPU")
     parser.add_argument("--out", default="runs/gpu_paged")
     args = parser.parse_args()
+    sizes = {"batch": 64, "kv_heads": 8, "tokens": 4096} if args.device != "cpu" else \
+        {"batch": 2, "kv_heads": 2, "tokens": 128}  # the CPU: a check of the script, not a measurement
+    for option, size in sizes.items():
+        setattr(args, option, getattr(args, option) or size)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles anything
         args.dtype = "fp32"  # the interpreter's tl.dot on bf16 is not exact
