@@ -117,6 +117,26 @@ def test_other_rank_reports_only_if_torchrun_did_not_stop_it(case, stderr):
     assert (proc.returncode, proc.stderr) == (2, stderr)
 
 
+# a stop signal that comes after Python's own signal handling ended (the node wrapper relays a signal each rank also
+# got directly, and a loaded machine delays the relay past the rank's clean exit)
+LATE_SIGNAL = """
+import os, signal
+from dmc_train.training.preemption import catch_early
+catch_early()
+class LateSignal:  # deleted while Python tears the modules down, after finalization reset the signal handlers
+    def __init__(self):
+        self.kill, self.pid = os.kill, os.getpid()
+    def __del__(self):
+        self.kill(self.pid, signal.SIGTERM)
+late = LateSignal()
+"""
+
+
+def test_a_stop_signal_during_the_exit_does_not_end_the_process_by_the_signal():
+    proc = run(["-c", LATE_SIGNAL], check=False, fresh=True, timeout=120)  # a real interpreter's finalization
+    assert proc.returncode == 0, proc.stderr  # without the handling at exit: -15 (SIGTERM's default action)
+
+
 def test_requeue_needs_slurm(slurm_env, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID")
     handler = PreemptionHandler()

@@ -31,6 +31,7 @@ it, so it is delivered then. This module imports torch only when ``should_stop()
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import signal
 import subprocess
@@ -197,9 +198,20 @@ def catch_early() -> PreemptionHandler:
 
     The handler only records; ``train()``'s own handler takes over what it recorded when it is installed
     and hands control back to it when training ends, so a late signal (the process is exiting anyway)
-    is recorded and changes nothing. Idempotent."""
+    is recorded and changes nothing; once the process exits, the stop signals are ignored
+    (:func:`_ignore_stop_signals`). Idempotent."""
     global _early
     if _early is None:
         _early = PreemptionHandler().install()
+        atexit.register(_ignore_stop_signals)
     return _early
+
+
+def _ignore_stop_signals() -> None:
+    """At exit (before Python's finalization): ignore the stop signals. Finalization puts back the default action
+    of every signal that has a Python handler, and the default action of SIGTERM or SIGUSR1 ends the process by the
+    signal. A rank that stopped cleanly then dies of a late copy of the stop signal (under the node wrapper a rank
+    gets it twice: from Slurm and relayed), and torchrun reports the task as failed."""
+    for sig in _early.signals:
+        signal.signal(sig, signal.SIG_IGN)
 
