@@ -124,10 +124,10 @@ import os, signal
 from dmc_train.training.preemption import catch_early
 catch_early()
 class LateSignal:  # deleted while Python tears the modules down, after finalization reset the signal handlers
-    def __init__(self):
-        self.kill, self.pid = os.kill, os.getpid()
+    def __init__(self):  # what __del__ needs, kept here: the module's globals may be gone by then
+        self.kill, self.pid, self.sig = os.kill, os.getpid(), signal.SIGTERM
     def __del__(self):
-        self.kill(self.pid, signal.SIGTERM)
+        self.kill(self.pid, self.sig)
 late = LateSignal()
 """
 
