@@ -120,10 +120,11 @@ class PackedPages:
               halves: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Store ``key [n, r_k]``, ``value [n, r_v]`` as entry ``index [n]`` of ``rows [n]`` (already extended;
         ``halves``: :meth:`halves` of ``index``)."""
-        page, slot = self.table[rows, index // self.per_page].long(), index % self.per_page
-        for keys, values, first, part in ((self.kk, self.kv, 0, halves[0]), (self.vk, self.vv, self.in_k, halves[1])):
-            keys[page[part], slot[part] - first] = key[part].to(keys.dtype)
-            values[page[part], slot[part] - first] = value[part].to(values.dtype)
+        page, in_k_slot, in_v_slot, _ = self._where(rows, index)
+        for keys, values, slot, part in ((self.kk, self.kv, in_k_slot, halves[0]),
+                                         (self.vk, self.vv, in_v_slot, halves[1])):
+            keys[page[part], slot[part]] = key[part].to(keys.dtype)
+            values[page[part], slot[part]] = value[part].to(values.dtype)
 
     def keys(self, rows: torch.Tensor, count: int) -> torch.Tensor:
         """The first ``count`` compressed keys of ``rows [N]`` -> ``[N, count, r_k]``, read page by page (entries
