@@ -112,3 +112,21 @@ def test_a_preset_file_expands_its_groups_regimes_and_notes(tmp_path):
     text = study_report.write(results, str(tmp_path), None, ["python launch/study.py"], "mine", preset)
     assert text.rstrip().endswith("see docs") and "The first 8 tokens of each are a prompt" in text
     assert (tmp_path / "RESULTS_mine.md").exists() and (tmp_path / "mine_pareto.png").exists()
+
+
+def test_every_shipped_training_regime_composes_into_a_valid_config():
+    """A typo in recipes/study_regimes.yaml would surface only when a study reaches that retrofit, possibly hours in:
+    each regime (on tiny_pretrain where it names no recipe of its own, as an imported base's cells do) composes and
+    passes the trainer's and its method's checks."""
+    from dmc_train.config import validate
+    from dmc_train.methods import validate_method
+    from dmc_train.recipes import load_config, recipes_dir
+
+    regimes = study._yaml(os.path.join(recipes_dir(), study.REGIMES))
+    for name in regimes:
+        items = [a.format(base="runs/base", budget=16) for a in study._train([f"@{name}"], regimes)]
+        if not any(a.startswith("+recipe=") for a in items):
+            items = ["+recipe=tiny_pretrain", *items]
+        cfg = load_config(items)
+        validate(cfg, world_size=1)
+        validate_method(cfg)
