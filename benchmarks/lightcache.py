@@ -1,11 +1,15 @@
-"""LightCache on base_tiny: the paper's two claims at this scale, and its ablation.
+"""LightCache on base_tiny (or an imported model): the paper's two claims at this scale, and its ablation.
 
     python benchmarks/lightcache.py                                  # runs/base_tiny, 16 held-out texts
     python benchmarks/lightcache.py --texts 4 --steps 8              # quicker
+    python benchmarks/lightcache.py --checkpoint runs/inits/smollm2 --lengths 8192 16384 --texts 2 --batch 1 \
+        --steps 8 --threads 2 --out docs/lightcache_smollm2.png      # SmolLM2-135M past its 8,192 positions
 
 base_tiny was trained on sequences of ``train.seq_length`` = 256 tokens (its RoPE table has 512
-positions, 256..511 never trained). The held-out texts are ``--texts`` windows of 8 x 256 + 1 tokens
-spread evenly over the test split.
+positions, 256..511 never trained). An imported model's trained length is its ``max_position_embeddings``
+(``--trained`` sets another), and its held-out text is the one in its own tokenizer
+(``launch/prepare_data.py --tokenizer``). The held-out texts are ``--texts`` windows of the longest length + 1
+tokens spread evenly over the test split.
 
 1. **Length extrapolation**: teacher-forced perplexity on texts of 1x, 2x, 4x and 8x the trained
    length for the full cache (RoPE past its trained range), StreamingLLM with positions kept (this
@@ -54,6 +58,19 @@ def defaults(trained: int, head_dim: int) -> dict:
 def options_of(name: str, trained: int, head_dim: int) -> dict:
     extra = {k: (head_dim if v == "d" else v) for k, v in METHODS[name].items()}
     return {**defaults(trained, head_dim), **extra}
+
+
+def held_out_config(checkpoint: str, loaded) -> tuple:
+    """``(config, trained length)`` of ``checkpoint``: its own config and ``train.seq_length``, or for an imported
+    model (``launch/prepare_model.py``) its held-out text in its own tokenizer and its ``max_position_embeddings``."""
+    from dmc_train.evaluation.imported import imported_checkpoint, imported_overrides
+    from dmc_train.recipes import load_config
+
+    resume = [f"checkpoint.resume={checkpoint}"]
+    if imported_checkpoint(resume) is None:
+        return loaded.cfg, loaded.cfg.train.seq_length
+    cfg = load_config(imported_overrides(resume))
+    return cfg, cfg.model.max_position_embeddings
 
 
 def load_texts(cfg, count: int, length: int) -> torch.Tensor:
@@ -168,7 +185,7 @@ def report(ppl: dict, mem: dict, lengths: list[int], trained: int) -> None:
     longest = str(max(lengths))
     full = methods["full cache"]["ppl"][longest]
     lc = methods["LightCache k/16 v/2"]["ppl"][longest]
-    print(f"at {longest} tokens: full cache {full:.2f}, LightCache {lc:.2f} ({full / lc:.2f}x lower), "
+    print(f"at {longest} tokens: full cache {full:.2f}, LightCache {lc:.2f} (full / LightCache {full / lc:.2f}), "
           f"StreamingLLM kept {methods['StreamingLLM (positions kept)']['ppl'][longest]:.2f}, in cache "
           f"{methods['StreamingLLM (positions in cache)']['ppl'][longest]:.2f}")
     base = mem["full cache"]
@@ -209,7 +226,7 @@ def plot(ppl: dict, mem: dict, lengths: list[int], trained: int, out: str) -> No
     for ax in (a, b):  # plain numbers on the log axes
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_yticks([t for t in (60, 70, 80, 100, 120, 150, 200, 300) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
+        ax.set_yticks([t for t in (20, 30, 40, 50, 60, 70, 80, 100, 120, 150, 200, 300) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
     for name, r in mem.items():
         c.plot(lengths, [r[str(n)]["bytes"] / 2**20 for n in lengths], marker="o", label=name, color=colour[name])
         e.plot(lengths, [r[str(n)]["step_ms"] for n in lengths], marker="o", label=name, color=colour[name])
@@ -224,6 +241,8 @@ def plot(ppl: dict, mem: dict, lengths: list[int], trained: int, out: str) -> No
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=os.path.join(ROOT, "runs/base_tiny"))
+    p.add_argument("--trained", type=int, help="the model's trained length (default: the checkpoint's "
+                   "train.seq_length; an imported model's max_position_embeddings)")
     p.add_argument("--texts", type=int, default=16)
     p.add_argument("--batch", type=int, default=4, help="texts per forward; sequences per decode step")
     p.add_argument("--lengths", type=int, nargs="+", help="default: 1x, 2x, 4x, 8x the trained length")
@@ -237,15 +256,16 @@ def main() -> None:
     from dmc_train.inference.model import LlamaForInference
 
     model, loaded = LlamaForInference.from_checkpoint(args.checkpoint)
-    trained = loaded.cfg.train.seq_length
+    cfg, trained = held_out_config(args.checkpoint, loaded)
+    trained = args.trained or trained
     args.lengths = sorted(args.lengths or [trained * f for f in (1, 2, 4, 8)])
     lc = options_of("LightCache k/16 v/2", trained, model.shape.head_dim)
     print(f"{args.checkpoint}: trained on {trained}-token sequences, head size {model.shape.head_dim}; LightCache "
           f"{lc} (window {lc['global'] + lc['local'] + lc['top_k'] * lc['segment']})", flush=True)
     print("1-2. perplexity", flush=True)
-    ppl = perplexity(args, model, loaded.cfg, trained)
+    ppl = perplexity(args, model, cfg, trained)
     print("3. memory and decode speed", flush=True)
-    mem = memory_and_speed(args, model, loaded.cfg, trained)
+    mem = memory_and_speed(args, model, cfg, trained)
     report(ppl, mem, args.lengths, trained)
     plot(ppl, mem, args.lengths, trained, args.out)
     if args.json:
