@@ -56,6 +56,23 @@ def test_cr_gradient_equals_autograd_of_eq10(target_cr, active, device):
     assert stats[..., 0].sum() > 0 and (stats[..., 0] <= stats[..., 1]).all()
 
 
+def test_decision_logits_mean_and_max_of_the_training_forwards(device):
+    """reduce_logits: the mean and maximum of the logits recorded with alphas that need a gradient (a training
+    forward), over layers, heads and tokens; an evaluation's (no gradient) are not counted; reset after each call."""
+    tracker = CRLossTracker(num_layers=2, num_heads=4)
+    logits = [torch.randn(5, 2, 2, dtype=torch.float64, device=device) - 3 for _ in range(2)]  # [n, b, h] per layer
+    tracker.begin_chunk(0)
+    for layer, logit in enumerate(logits):  # heads 2-3 of layer `layer`: the second tensor-parallel rank's
+        alpha = torch.sigmoid(logit).permute(1, 2, 0).requires_grad_()
+        tracker.record(alpha, layer, 2, 2.0, logit=logit)
+    tracker.record(torch.zeros(2, 2, 5, device=device), 0, 0, 2.0, logit=torch.full((5, 2, 2), 9.0, device=device))
+    tracker.end_chunk(0)
+    every = torch.cat([x.flatten() for x in logits])
+    mean, top = tracker.reduce_logits()
+    assert mean == pytest.approx(float(every.mean()), abs=1e-12) and top == float(every.max())
+    assert tracker.reduce_logits() is None
+
+
 def test_cr_reduction_waits_for_every_model_chunk(device):
     """With 2 chunks per rank (interleaved PP) micro-batch m is complete only after both chunks ran it."""
     tracker = CRLossTracker(num_layers=2, num_heads=1, num_chunks=2)

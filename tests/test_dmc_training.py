@@ -24,6 +24,16 @@ def test_schedule_drives_target_cr_and_losses(res):
     assert full["lr"][4:] == pytest.approx([3e-3, 3e-3 * (0.1 + 0.9 * 0.5)])  # finetune: cosine to 10 %
 
 
+def test_decision_logits_are_logged_from_minus_the_offset(res):
+    """The first DMC step runs on the zeroed decision rows: every logit is exactly -c0 (method.init_offset=1); the CR
+    loss then moves them up."""
+    full = res["full"]
+    assert full["alpha_logit_mean"][:2] == [None, None] and full["alpha_logit_max"][:2] == [None, None]
+    assert full["alpha_logit_mean"][2] == full["alpha_logit_max"][2] == -1.0
+    assert all(m > -1.0 for m in full["alpha_logit_max"][3:])
+    assert all(mean < top for mean, top in zip(full["alpha_logit_mean"][3:], full["alpha_logit_max"][3:]))
+
+
 def test_checkpoints_record_achieved_cr_and_heatmap(res):
     for step, expected_stage, target in (("3", "retrofit", 2.0), ("6", "finetune", 3.0)):
         ckpt = res["checkpoints"][step]
@@ -49,6 +59,7 @@ def test_zero_out_stage_ends_with_zeroed_decision_rows(res):
 def test_fixed_pooling_ablation_trains(res):
     pool = res["fixed_pool"]
     assert pool["cr"] == [2.0, 2.0, 2.0] and pool["target_cr"] == [2.0, 2.0, 2.0]  # the pool size, every step
+    assert pool["alpha_logit_max"] == [None, None, None]  # no decisions learned
     assert (pool["meta"]["stage"], pool["meta"]["target_cr"], pool["meta"]["achieved_cr"]) == ("fixed", 2.0, 2.0)
     assert pool["val_loss"][-1] is not None and 5 < pool["val_loss"][-1] < 7
 

@@ -129,7 +129,11 @@ class DMCMethod(Method):
             return metrics
         self.last_stats = stats
         summary = achieved_cr(stats)
-        return {**metrics, "cr": summary["achieved_cr"], "cr_layers": summary["achieved_cr_per_layer"]}
+        metrics.update(cr=summary["achieved_cr"], cr_layers=summary["achieved_cr_per_layer"])
+        logits = self.tracker.reduce_logits()
+        if logits is not None:  # how far the decisions are from merging (cr_loss.py)
+            metrics.update(alpha_logit_mean=logits[0], alpha_logit_max=logits[1])
+        return metrics
 
     def evaluation_metrics(self) -> dict:
         """Achieved CR of the evaluation pass just run (hard decisions, as at inference)."""

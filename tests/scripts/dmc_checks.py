@@ -137,7 +137,8 @@ def main(out_path: str, work: str) -> None:
 
     res = {}
     full = run([f"run_dir={work}/full"])
-    res["full"] = {k: history(full, k) for k in ("lm_loss", "cr_loss", "cr", "target_cr", "lr", "val_loss")}
+    res["full"] = {k: history(full, k) for k in ("lm_loss", "cr_loss", "cr", "target_cr", "lr", "val_loss",
+                                                 "alpha_logit_mean", "alpha_logit_max")}
     res["checkpoints"] = {}
     for step in (3, 6):
         ckpt = f"{work}/full/checkpoints/iter_{step:07d}"
@@ -159,7 +160,7 @@ def main(out_path: str, work: str) -> None:
     res["zeroed_rows"] = rows
 
     pool = run([f"run_dir={work}/pool", "method.pool=2", "train.max_steps=3"], method=["method=fixed_pooling"])
-    res["fixed_pool"] = {k: history(pool, k) for k in ("lm_loss", "val_loss", "cr", "target_cr")}
+    res["fixed_pool"] = {k: history(pool, k) for k in ("lm_loss", "val_loss", "cr", "target_cr", "alpha_logit_max")}
     res["fixed_pool"]["meta"] = read_meta(f"{work}/pool/checkpoints/iter_0000003")["method_metadata"]
 
     pre = ["method.rope_order=pre"]

@@ -134,7 +134,7 @@ class DMCSelfAttention(SelfAttention):
             query = AttachLoss.apply(query, constraint.sum(), 1.0 / (n_layers * n_heads))
         if st.tracker is not None:
             alpha = st.tracker.record(alpha, self.layer_number - 1, self.head_offset, st.target_cr,
-                                      constraint=constraint)
+                                      constraint=constraint, logit=alpha_logit)
         return (query, *self._hand_off(key, value, alpha, omega.permute(1, 2, 0)))
 
     def _hand_off(self, key, value, alpha, omega) -> tuple[torch.Tensor, torch.Tensor]:

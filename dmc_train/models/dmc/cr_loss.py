@@ -30,7 +30,9 @@ normal pipeline backward. The target CR is an input: each layer gives its step's
 alphas (:meth:`CRLossTracker.record`, kept for their backward), the loss value takes it as an argument.
 
 The tracker also carries the DMC-C constraint's value (its gradient flows through the graph, see
-``attention.py``) and counts hard decisions per (layer, KV head) for the achieved CR.
+``attention.py``), counts hard decisions per (layer, KV head) for the achieved CR, and keeps the training
+forwards' decision logits ``k[c] - c0`` (mean and maximum): they start at ``-c0`` after the zero-out stage and
+creep up for many steps before any crosses the threshold, while the achieved CR stays at the noise's level.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class CRLossTracker:
         self.group, self.form = group, form
         # (appends, decisions), on the model's device like every buffer here
         self.stats = torch.zeros(num_layers, num_heads, 2, dtype=torch.float64, device=distributed.device())
+        self._clear_logits()
         self._forwards = defaultdict(int)  # chunk -> forwards run so far (= its next micro-batch index)
         self._reset_microbatches()
 
@@ -96,13 +99,14 @@ class CRLossTracker:
             self._pending[m] = dist.all_reduce(self._buffers[m], group=self.group, async_op=True)
 
     def record(self, alpha: torch.Tensor, layer: int, head_offset: int, target_cr: float,
-               constraint: Optional[torch.Tensor] = None) -> torch.Tensor:
+               constraint: Optional[torch.Tensor] = None, logit: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Account for one layer's alphas ``[b, h_kv_local, n]`` (first token already 0).
 
         ``layer``: 0-based global layer index; ``head_offset``: global index of the first local KV
         head; ``target_cr``: the CR loss's target of the step; ``constraint``: the DMC-C term per local
-        head ``[h_kv_local]`` (value only, for logging). Returns ``alpha`` unchanged, wired to receive
-        the gradient of the CR loss at ``target_cr`` in backward.
+        head ``[h_kv_local]`` (value only, for logging); ``logit``: the decision logits ``[n, b, h_kv_local]``
+        the alphas were sampled from (kept for :meth:`reduce_logits` in a training forward). Returns ``alpha``
+        unchanged, wired to receive the gradient of the CR loss at ``target_cr`` in backward.
         """
         m = self.active
         b, h, n = alpha.shape
@@ -120,6 +124,10 @@ class CRLossTracker:
         self._tokens[m] = b * n
         self.stats[layer, heads, 0] += (1 - hard).sum(dim=(0, 2))
         self.stats[layer, heads, 1] += b * n
+        if logit is not None and alpha.requires_grad:
+            logit = logit.detach().double()
+            self._logit_sums[layer, heads] += torch.stack((logit.sum((0, 1)), torch.full_like(logit[0, 0], b * n)), -1)
+            self._logit_max[layer, heads] = torch.maximum(self._logit_max[layer, heads], logit.amax((0, 1)))
         if alpha.requires_grad:
             return _InjectCRGradient.apply(alpha, self, m, layer, head_offset, target_cr)
         return alpha
@@ -188,6 +196,23 @@ class CRLossTracker:
             dist.all_reduce(stats, group=group)
         self.stats.zero_()
         return stats
+
+    def _clear_logits(self) -> None:
+        shape, device = self.stats.shape[:2], self.stats.device
+        self._logit_sums = torch.zeros(*shape, 2, dtype=torch.float64, device=device)  # (sum, count)
+        self._logit_max = torch.full(shape, -torch.inf, dtype=torch.float64, device=device)
+
+    def reduce_logits(self, group=None) -> Optional[tuple[float, float]]:
+        """``(mean, max)`` of the decision logits of the training forwards since the last call, over all layers,
+        heads and tokens (``group``: default all ranks); None when none were recorded (fixed pooling learns no
+        decisions). Resets them."""
+        sums, top = self._logit_sums, self._logit_max
+        if dist.is_initialized():
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        self._clear_logits()
+        total = sums.sum((0, 1))
+        return (float(total[0] / total[1]), float(top.max())) if total[1] > 0 else None
 
 
 class _InjectCRGradient(torch.autograd.Function):
