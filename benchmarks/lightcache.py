@@ -2,8 +2,8 @@
 
     python benchmarks/lightcache.py                                  # runs/base_tiny, 16 held-out texts
     python benchmarks/lightcache.py --texts 4 --steps 8              # quicker
-    python benchmarks/lightcache.py --checkpoint runs/inits/smollm2 --lengths 8192 16384 --texts 2 --batch 1 \
-        --steps 8 --threads 2 --out docs/lightcache_smollm2.png      # SmolLM2-135M past its 8,192 positions
+    python benchmarks/lightcache.py --checkpoint runs/inits/smollm2 --lengths 8192 16384 --no-ablation \
+        --texts 2 --batch 1 --steps 8 --threads 2 --out docs/lightcache_smollm2.png   # SmolLM2-135M past 8,192
 
 base_tiny was trained on sequences of ``train.seq_length`` = 256 tokens (its RoPE table has 512
 positions, 256..511 never trained). An imported model's trained length is its ``max_position_embeddings``
@@ -47,6 +47,7 @@ METHODS = {  # name -> LightCache options on top of the scaled defaults (None: n
     "LightCache v/2": {"r_k": "d"},
     "LightCache uncompressed": {"r_k": "d", "r_v": "d"},
 }
+ABLATION = ("LightCache k/16", "LightCache v/2", "LightCache uncompressed")  # left out by --no-ablation
 
 
 def defaults(trained: int, head_dim: int) -> dict:
@@ -118,7 +119,7 @@ def perplexity(args, model, cfg, trained: int) -> dict:
     longest = max(args.lengths)
     texts = load_texts(cfg, args.texts, longest)
     results = {}
-    for name in METHODS:
+    for name in args.methods:
         start, losses = time.perf_counter(), []
         for first in range(0, len(texts), args.batch):
             losses.append(token_losses(model, name, texts[first: first + args.batch], trained))
@@ -147,7 +148,7 @@ def memory_and_speed(args, model, cfg, trained: int) -> dict:
     s = big.shape
     texts = load_texts(cfg, args.batch, longest + args.steps)
     rows = args.batch * s.num_layers * s.num_kv_heads
-    names = ("full cache", "LightCache k/16 v/2", "LightCache k/16", "LightCache v/2")
+    names = [name for name in args.methods if name == "full cache" or "LightCache" in name]
     results = {name: {} for name in names}
     seqs = list(range(args.batch))
     for n in args.lengths:
@@ -248,9 +249,12 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", help="default: 1x, 2x, 4x, 8x the trained length")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-ablation", action="store_true", help="leave out the ablation (part 2): the full cache, "
+                   "both StreamingLLMs and the default LightCache only")
     p.add_argument("--out", default=os.path.join(ROOT, "runs/lightcache.png"))
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    args.methods = [name for name in METHODS if not (args.no_ablation and name in ABLATION)]
     torch.set_num_threads(args.threads)
 
     from dmc_train.inference.model import LlamaForInference
