@@ -227,7 +227,8 @@ def plot(ppl: dict, mem: dict, lengths: list[int], trained: int, out: str) -> No
     for ax in (a, b):  # plain numbers on the log axes
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_yticks([t for t in (20, 30, 40, 50, 60, 70, 80, 100, 120, 150, 200, 300) if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
+        ticks = (20, 30, 40, 50, 60, 70, 80, 100, 120, 150, 200, 300)
+        ax.set_yticks([t for t in ticks if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
     for name, r in mem.items():
         c.plot(lengths, [r[str(n)]["bytes"] / 2**20 for n in lengths], marker="o", label=name, color=colour[name])
         e.plot(lengths, [r[str(n)]["step_ms"] for n in lengths], marker="o", label=name, color=colour[name])
