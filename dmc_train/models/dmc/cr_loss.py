@@ -126,7 +126,8 @@ class CRLossTracker:
         self.stats[layer, heads, 1] += b * n
         if logit is not None and alpha.requires_grad:
             logit = logit.detach().double()
-            self._logit_sums[layer, heads] += torch.stack((logit.sum((0, 1)), torch.full_like(logit[0, 0], b * n)), -1)
+            self._logit_sums[layer, heads, 0] += logit.sum((0, 1))
+            self._logit_sums[layer, heads, 1] += b * n
             self._logit_max[layer, heads] = torch.maximum(self._logit_max[layer, heads], logit.amax((0, 1)))
         if alpha.requires_grad:
             return _InjectCRGradient.apply(alpha, self, m, layer, head_offset, target_cr)
