@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = {  # name -> LightCache options on top of the scaled defaults (None: not LightCache)
     "full cache": None,
     "StreamingLLM (positions kept)": None,
-    "StreamingLLM (positions in cache)": {"top_k": 0, "local": 192},
+    "StreamingLLM (positions in cache)": {"top_k": 0, "local": "window"},  # LightCache's local and selected entries
     "LightCache k/16 v/2": {},
     "LightCache k/16": {"r_v": "d"},
     "LightCache v/2": {"r_k": "d"},
@@ -57,8 +57,9 @@ def defaults(trained: int, head_dim: int) -> dict:
 
 
 def options_of(name: str, trained: int, head_dim: int) -> dict:
-    extra = {k: (head_dim if v == "d" else v) for k, v in METHODS[name].items()}
-    return {**defaults(trained, head_dim), **extra}
+    scaled = defaults(trained, head_dim)
+    named = {"d": head_dim, "window": scaled["local"] + scaled["top_k"] * scaled["segment"]}
+    return {**scaled, **{k: named.get(v, v) for k, v in METHODS[name].items()}}
 
 
 def held_out_config(checkpoint: str, loaded) -> tuple:
