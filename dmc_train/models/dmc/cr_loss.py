@@ -124,14 +124,14 @@ class CRLossTracker:
         self._tokens[m] = b * n
         self.stats[layer, heads, 0] += (1 - hard).sum(dim=(0, 2))
         self.stats[layer, heads, 1] += b * n
-        if logit is not None and alpha.requires_grad:
+        if not alpha.requires_grad:  # an evaluation's forward
+            return alpha
+        if logit is not None:
             logit = logit.detach().double()
             self._logit_sums[layer, heads, 0] += logit.sum((0, 1))
             self._logit_sums[layer, heads, 1] += b * n
             self._logit_max[layer, heads] = torch.maximum(self._logit_max[layer, heads], logit.amax((0, 1)))
-        if alpha.requires_grad:
-            return _InjectCRGradient.apply(alpha, self, m, layer, head_offset, target_cr)
-        return alpha
+        return _InjectCRGradient.apply(alpha, self, m, layer, head_offset, target_cr)
 
     # -- values needed at backward / loss time ----------------------------------------------------
     def _global_sums(self, m: int) -> torch.Tensor:
