@@ -157,46 +157,66 @@ def decompress(c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 # -- selection --------------------------------------------------------------------------------------
-def top_mask(key: torch.Tensor, count: torch.Tensor, eligible: torch.Tensor, most: int) -> torch.Tensor:
-    """The ``count [...]`` eligible entries of ``key [..., C]`` with the largest keys (ties: lower index) as a
-    mask ``[..., C]``; ``count`` <= the eligible entries of its row, and <= ``most`` (<= C: a bound the caller
-    knows, so that nothing is read on the host)."""
-    key = key.masked_fill(~eligible, float("-inf"))
-    kth = key.topk(most, dim=-1).values.gather(-1, (count - 1).clamp(min=0)[..., None])
-    above = (key > kth) & eligible
-    tied = (key == kth) & eligible
-    take = tied & (tied.cumsum(-1) <= (count[..., None] - above.sum(-1, keepdim=True)))
-    return (above | take) & (count[..., None] > 0)
+def top_entries(key: torch.Tensor, count: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``count [...]`` entries of ``key [..., C]`` with the largest keys (ties: lower index), as indices
+    ``[..., k]`` of which the first ``count`` count. Entries that may not be chosen hold -inf; ``count`` <= k <= C
+    and <= the finite entries of its row. Entries above the ``count``-th largest key are all in ``topk``; the
+    ones equal to it come from a second ``topk`` of their indices, so ties never depend on ``topk``'s order."""
+    values, index = key.topk(k, dim=-1)  # descending: the entries above the k-th first
+    kth = values.gather(-1, (count - 1).clamp(min=0)[..., None])
+    above = (values > kth).sum(-1, keepdim=True)
+    c = key.shape[-1]
+    tied = torch.where(key == kth, torch.arange(c, device=key.device), c).topk(k, dim=-1, largest=False).values
+    p = torch.arange(k, device=key.device)
+    return torch.where(p < above, index, tied.gather(-1, (p - above).clamp(min=0)))
 
 
-def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: int) -> torch.Tensor:
+def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries each query attends to: ``scores [N, G, T, C]`` (``q P_k . k P_k`` per query
-    head), ``available [N, T]`` (entries ``0 .. available-1`` exist for that query) -> ``[N, T, C]`` bool.
+    head), ``available [N, T]`` (entries ``0 .. available-1`` exist for that query) -> ``(index [N, T, S],
+    count [N, T])``: the first ``count`` of ``index`` are the entries in increasing order (the rest 0),
+    ``S = min(top_k * segment, C)``.
 
     Voting: each of the G query heads names its ``top_k`` best available entries (ties: lower index);
     the group takes the ``top_k`` entries with the most votes (ties: higher summed score over the heads,
     then lower index). With G = 1 this is the plain top-k. Each chosen entry c brings the ``segment``
     entries ``[s, s + segment)`` with ``s = c - segment // 2`` moved inside ``[0, available)``; overlaps
-    merge (a boolean union, so the selection is already in sequence order).
+    merge. Only the heads' ``G * top_k`` candidates are ranked and only the ``S`` selected entries are
+    written: the cost over all ``C`` entries is the heads' two ``topk``.
     """
     n, g, t, c = scores.shape
-    k = min(top_k, c)
+    k, on = min(top_k, c), {"device": scores.device}
+    width = min(top_k * segment, c)
     if k == 0:
-        return torch.zeros(n, t, c, dtype=torch.bool, device=scores.device)
-    index = torch.arange(c, device=scores.device)
-    exists = index < available[..., None]  # [N, T, C]
+        return torch.zeros(n, t, 0, dtype=torch.long, **on), torch.zeros(n, t, dtype=torch.long, **on)
     count = available.clamp(max=k)  # [N, T] centres
-    votes = top_mask(scores, count[:, None].expand(n, g, t), exists[:, None].expand(n, g, t, c), k).sum(1)
-    votes = votes.to(scores.dtype)
-    kth = votes.topk(k, dim=-1).values.gather(-1, (count - 1).clamp(min=0)[..., None])
-    sure = (votes > kth) & exists
-    centres = sure | top_mask(scores.sum(1), count - sure.sum(-1), (votes == kth) & exists, k)
-    start = (index - segment // 2).clamp(min=0)
-    start = torch.minimum(start, (available[..., None] - segment).clamp(min=0))  # [N, T, C]
-    end = torch.minimum(start + segment, available[..., None])
-    edges = torch.zeros(n, t, c + 1, device=scores.device)
-    edges.scatter_add_(-1, start, centres.float()).scatter_add_(-1, end, -centres.float())
-    return edges.cumsum(-1)[..., :c] > 0.5
+    exists = torch.arange(c, **on) < available[:, None, :, None]  # [N, 1, T, C]
+    named = top_entries(scores.masked_fill(~exists, float("-inf")), count[:, None].expand(n, g, t), k)
+    # the candidates [N, T, G * k]: votes, summed score, first naming
+    valid = (torch.arange(k, **on) < count[..., None, None]).expand(n, t, g, k).reshape(n, t, g * k)
+    cand = torch.where(valid, named.transpose(1, 2).reshape(n, t, g * k), 0)
+    same = (cand[..., :, None] == cand[..., None, :]) & valid[..., :, None] & valid[..., None, :]
+    votes = same.sum(-1)
+    summed = scores.gather(-1, cand[:, None].expand(n, g, t, g * k)).sum(1)
+    first = valid & ~(same & torch.ones(g * k, g * k, dtype=torch.bool, **on).tril(-1)).any(-1)
+    v_i, v_j, s_i, s_j = votes[..., :, None], votes[..., None, :], summed[..., :, None], summed[..., None, :]
+    beats = (v_j > v_i) | ((v_j == v_i) & ((s_j > s_i) | ((s_j == s_i) & (cand[..., None, :] < cand[..., :, None]))))
+    centre = first & ((beats & first[..., None, :]).sum(-1) < count[..., None])
+    # segments in order of their start, merged: each begins past the ends before it
+    far = torch.full_like(cand, c)
+    start = (cand - segment // 2).clamp(min=0)
+    start = torch.minimum(start, (available[..., None] - segment).clamp(min=0))
+    end = torch.where(centre, torch.minimum(start + segment, available[..., None]), far)
+    start, order = torch.where(centre, start, far).sort(-1)
+    end = end.gather(-1, order)
+    begin = torch.maximum(start, torch.cat([torch.zeros_like(end[..., :1]), end.cummax(-1).values[..., :-1]], -1))
+    length = (end - begin).clamp(min=0)
+    ends = length.cumsum(-1)  # packed place just past each segment
+    slot = torch.arange(width, **on).expand(n, t, width).contiguous()
+    which = torch.searchsorted(ends, slot, right=True).clamp(max=g * k - 1)  # the segment holding each slot
+    index = (begin - ends + length).gather(-1, which) + slot
+    return torch.where(slot < ends[..., -1:], index, 0), ends[..., -1]
 
 
 # -- the window -------------------------------------------------------------------------------------
@@ -253,12 +273,8 @@ def _selected(q, pos, ctx: Context, pk, pv, s: Settings):
                 torch.zeros(n, t, dtype=torch.long, device=q.device))
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.einsum("ngtr,ncr->ngtc", compress(q, pk).to(acc), ctx.kc.to(acc))
-    chosen = select(scores, (pos + 1 - s.global_ - s.local).clamp(min=0), s.top_k, s.segment)  # [N, T, C]
-    slot = torch.where(chosen, chosen.cumsum(-1) - 1, width)  # packed place of each chosen entry (width: none)
-    index = torch.zeros(n, t, width + 1, dtype=torch.long, device=q.device).scatter_(
-        -1, slot, torch.arange(c, device=q.device).expand(n, t, c))
-    index = index[..., :width]
-    return (gather_rows(ctx.kc, index), ctx.values(index)), chosen.sum(-1)
+    index, count = select(scores, (pos + 1 - s.global_ - s.local).clamp(min=0), s.top_k, s.segment)
+    return (gather_rows(ctx.kc, index), ctx.values(index)), count
 
 
 def _selected_logits(q: torch.Tensor, kc: torch.Tensor, pk: torch.Tensor, rotate: Rotate) -> torch.Tensor:
@@ -270,7 +286,7 @@ def _selected_logits(q: torch.Tensor, kc: torch.Tensor, pk: torch.Tensor, rotate
     if q.shape[2] == 1:
         return torch.einsum("ngtd,ntjd->ngtj", q, rotate(decompress(kc, pk), slots).to(acc))
     pk_at = rotate(pk.transpose(1, 2)[:, None], slots[:, None]).to(acc)
-    return torch.einsum("ngtjr,ntjr->ngtj", torch.einsum("ngtd,njrd->ngtjr", q, pk_at), kc.to(acc))
+    return (torch.einsum("ngtd,njrd->ngtjr", q, pk_at) * kc[:, None].to(acc)).sum(-1)
 
 
 def _window_block(q, t0, ctx: Context, pk, pv, s: Settings, rotate: Rotate, scale: float) -> torch.Tensor:

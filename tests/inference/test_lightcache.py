@@ -146,7 +146,12 @@ def test_selection_brings_segments_deduplicated_in_order_and_gqa_votes():
     query = torch.tensor([1.0, 0.0])
     scores = (keys @ query).view(1, 1, 1, c)
     avail = torch.tensor([[c]])
-    chosen = lambda top_k, m, s=scores, a=avail: select(s, a, top_k, m)[0, 0].nonzero()[:, 0].tolist()  # noqa: E731
+
+    def chosen(top_k, m, s=scores, a=avail):
+        index, count = select(s, a, top_k, m)
+        assert index.shape[-1] == min(top_k * m, c) and not index[0, 0, count[0, 0]:].any()  # padding: entry 0
+        return index[0, 0, :count[0, 0]].tolist()
+
     assert chosen(1, 5) == [18, 19, 20, 21, 22]  # the match and its neighbours, centred
     assert chosen(2, 5) == [18, 19, 20, 21, 22, 23]  # 20's and 21's segments merged, once each, in order
     assert chosen(2, 1) == [20, 21]
@@ -164,9 +169,15 @@ def test_selection_brings_segments_deduplicated_in_order_and_gqa_votes():
     # GQA: heads 0 and 1 prefer entry 10, head 2 prefers 30 by far more; the majority wins
     votes = torch.zeros(1, 3, 1, c)
     votes[0, 0, 0, 10], votes[0, 1, 0, 10], votes[0, 2, 0, 30] = 1.0, 1.0, 100.0
-    assert select(votes, avail, 1, 1)[0, 0].nonzero()[:, 0].tolist() == [10]
+    assert chosen(1, 1, votes) == [10]
     votes[0, 1, 0, 10] = 0.0  # one vote each: ties go to the higher summed score
-    assert select(votes, avail, 1, 1)[0, 0].nonzero()[:, 0].tolist() == [30]
+    assert chosen(1, 1, votes) == [30]
+    # exact ties go to the lower index, whatever order topk returns them in
+    flat = torch.zeros(1, 3, 1, c)
+    flat[..., 20] = 5.0
+    assert chosen(3, 1, flat) == [0, 1, 20]
+    flat[0, 0, 0, 30] = flat[0, 1, 0, 35] = 7.0  # 20: three votes; 30 and 35: one each and the same summed score
+    assert chosen(2, 1, flat) == [20, 30]
 
 
 # -- engine = parallel form --------------------------------------------------------------------------
