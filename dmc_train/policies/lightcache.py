@@ -158,11 +158,11 @@ def decompress(c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 # -- selection --------------------------------------------------------------------------------------
 def top_entries(key: torch.Tensor, count: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``count [...]`` entries of ``key [..., C]`` with the largest keys (ties: lower index), as indices
-    ``[..., k]`` of which the first ``count`` count. Entries that may not be chosen hold -inf; ``count`` <= k <= C
-    and <= the finite entries of its row. Entries above the ``count``-th largest key are all in ``topk``; the
-    ones equal to it come from a second ``topk`` of their indices, so ties never depend on ``topk``'s order."""
-    values, index = key.topk(k, dim=-1)  # descending: the entries above the k-th first
+    """Indices ``[..., k]`` whose first ``count [...]`` are the entries of ``key [..., C]`` with the largest keys
+    (ties: lower index; the rest is padding). Entries that may not be chosen hold -inf; ``count`` <= k <= C and
+    <= the finite entries of its row. Entries above the ``count``-th largest key are all in ``topk``; the ones
+    equal to it come from a second ``topk``, of their indices, so that ties never depend on ``topk``'s order."""
+    values, index = key.topk(k, dim=-1)  # descending: the entries above the count-th come first
     kth = values.gather(-1, (count - 1).clamp(min=0)[..., None])
     above = (values > kth).sum(-1, keepdim=True)
     c = key.shape[-1]
@@ -183,38 +183,51 @@ def select(scores: torch.Tensor, available: torch.Tensor, top_k: int, segment: i
     then lower index). With G = 1 this is the plain top-k. Each chosen entry c brings the ``segment``
     entries ``[s, s + segment)`` with ``s = c - segment // 2`` moved inside ``[0, available)``; overlaps
     merge. Only the heads' ``G * top_k`` candidates are ranked and only the ``S`` selected entries are
-    written: the cost over all ``C`` entries is the heads' two ``topk``.
+    written: the work over all ``C`` entries is the heads' two ``topk``.
     """
     n, g, t, c = scores.shape
     k, on = min(top_k, c), {"device": scores.device}
-    width = min(top_k * segment, c)
     if k == 0:
         return torch.zeros(n, t, 0, dtype=torch.long, **on), torch.zeros(n, t, dtype=torch.long, **on)
     count = available.clamp(max=k)  # [N, T] centres
     exists = torch.arange(c, **on) < available[:, None, :, None]  # [N, 1, T, C]
     named = top_entries(scores.masked_fill(~exists, float("-inf")), count[:, None].expand(n, g, t), k)
-    # the candidates [N, T, G * k]: votes, summed score, first naming
     valid = (torch.arange(k, **on) < count[..., None, None]).expand(n, t, g, k).reshape(n, t, g * k)
-    cand = torch.where(valid, named.transpose(1, 2).reshape(n, t, g * k), 0)
-    same = (cand[..., :, None] == cand[..., None, :]) & valid[..., :, None] & valid[..., None, :]
+    candidate = torch.where(valid, named.transpose(1, 2).reshape(n, t, g * k), 0)  # [N, T, G * k]
+    centre = _vote(scores, candidate, valid, count)
+    return _segments(candidate, centre, available, segment, min(top_k * segment, c))
+
+
+def _vote(scores, candidate, valid, count) -> torch.Tensor:
+    """Which of the heads' ``candidate [N, T, M]`` (``valid``: named) the group takes: ``[N, T, M]`` bool, each
+    entry once. Ranked among themselves by (votes, summed score, -index), the first ``count [N, T]`` win."""
+    n, g, t, _ = scores.shape
+    m = candidate.shape[-1]
+    same = (candidate[..., :, None] == candidate[..., None, :]) & valid[..., :, None] & valid[..., None, :]
     votes = same.sum(-1)
-    summed = scores.gather(-1, cand[:, None].expand(n, g, t, g * k)).sum(1)
-    first = valid & ~(same & torch.ones(g * k, g * k, dtype=torch.bool, **on).tril(-1)).any(-1)
+    summed = scores.gather(-1, candidate[:, None].expand(n, g, t, m)).sum(1)
+    first = valid & ~(same & torch.ones(m, m, dtype=torch.bool, device=scores.device).tril(-1)).any(-1)
     v_i, v_j, s_i, s_j = votes[..., :, None], votes[..., None, :], summed[..., :, None], summed[..., None, :]
-    beats = (v_j > v_i) | ((v_j == v_i) & ((s_j > s_i) | ((s_j == s_i) & (cand[..., None, :] < cand[..., :, None]))))
-    centre = first & ((beats & first[..., None, :]).sum(-1) < count[..., None])
-    # segments in order of their start, merged: each begins past the ends before it
-    far = torch.full_like(cand, c)
-    start = (cand - segment // 2).clamp(min=0)
-    start = torch.minimum(start, (available[..., None] - segment).clamp(min=0))
-    end = torch.where(centre, torch.minimum(start + segment, available[..., None]), far)
-    start, order = torch.where(centre, start, far).sort(-1)
+    lower = candidate[..., None, :] < candidate[..., :, None]
+    beats = (v_j > v_i) | ((v_j == v_i) & ((s_j > s_i) | ((s_j == s_i) & lower)))  # [.., i, j]: j ranks above i
+    return first & ((beats & first[..., None, :]).sum(-1) < count[..., None])
+
+
+def _segments(centre_entry, centre, available, segment: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of the ``segment``-entry runs around the chosen ``centre_entry [N, T, M]`` (``centre``), packed in
+    increasing order: ``(index [N, T, width], count [N, T])``. The runs, in order of their start, each begin past
+    the ends of the ones before; packed slot p lies in the first run whose packed end is past p."""
+    n, t, m = centre_entry.shape
+    limit = available[..., None].expand(n, t, m)  # past every start; the start and end of what is not a centre
+    start = torch.minimum((centre_entry - segment // 2).clamp(min=0), (limit - segment).clamp(min=0))
+    end = torch.where(centre, torch.minimum(start + segment, limit), limit)
+    start, order = torch.where(centre, start, limit).sort(-1)
     end = end.gather(-1, order)
     begin = torch.maximum(start, torch.cat([torch.zeros_like(end[..., :1]), end.cummax(-1).values[..., :-1]], -1))
     length = (end - begin).clamp(min=0)
-    ends = length.cumsum(-1)  # packed place just past each segment
-    slot = torch.arange(width, **on).expand(n, t, width).contiguous()
-    which = torch.searchsorted(ends, slot, right=True).clamp(max=g * k - 1)  # the segment holding each slot
+    ends = length.cumsum(-1)  # packed place just past each run
+    slot = torch.arange(width, device=ends.device).expand(n, t, width).contiguous()
+    which = torch.searchsorted(ends, slot, right=True).clamp(max=m - 1)
     index = (begin - ends + length).gather(-1, which) + slot
     return torch.where(slot < ends[..., -1:], index, 0), ends[..., -1]
 
