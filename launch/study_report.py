@@ -270,7 +270,7 @@ def write(results: list[dict], out: str, speed: Optional[dict], commands: list[s
     checks = orderings(results)
     if checks:
         text += ["The papers' orderings, checked:", "", *checks, ""]
-    text += [*preset.notes, *([""] if preset.notes else []), *sections]
+    text += [line for note in preset.notes for line in (note, "")] + list(sections)  # a paragraph each
     markdown = "\n".join(text)
     for folder in [out] + ([docs_dir] if docs_dir else []):
         os.makedirs(folder, exist_ok=True)
